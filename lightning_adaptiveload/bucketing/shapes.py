@@ -1,0 +1,100 @@
+"""Sample shape → latent grid → token grid → sequence length S, without decoding anything.
+
+Wan 2.1's VAE compresses time by 4 (keeping the first frame: ``1 + (F - 1) // 4`` latent frames)
+and space by 8; the DiT patchifies latents with patch (1, 2, 2). An 81-frame 832×480 clip is thus
+21 latent frames of 60×104, i.e. a token grid of (21, 30, 52) and S = 32,760 tokens. An image is
+one latent frame.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+VAE_STRIDE: tuple[int, int, int] = (4, 8, 8)
+PATCH_SIZE: tuple[int, int, int] = (1, 2, 2)
+
+
+def _check_triple(name: str, value: Sequence[int]) -> tuple[int, int, int]:
+    if len(value) != 3 or any(int(v) != v or v < 1 for v in value):
+        raise ValueError(f"`{name}={tuple(value)!r}` is not valid. Expected three positive integers (t, h, w).")
+    return int(value[0]), int(value[1]), int(value[2])
+
+
+def latent_shape(
+    num_frames: int, height: int, width: int, vae_stride: Sequence[int] = VAE_STRIDE
+) -> tuple[int, int, int]:
+    """Pixel clip shape (frames, height, width) → latent shape (f, h, w) of a causal video VAE.
+
+    Spatial sizes are floored to a multiple of the stride (what a resize-and-crop to the bucket
+    resolution produces); time keeps the first frame and compresses the rest.
+    """
+    st, sh, sw = _check_triple("vae_stride", vae_stride)
+    for name, v in (("num_frames", num_frames), ("height", height), ("width", width)):
+        if int(v) != v or v < 1:
+            raise ValueError(f"`{name}={v!r}` is not valid. Expected a positive integer.")
+    if height < sh or width < sw:
+        raise ValueError(
+            f"A {height}x{width} frame is smaller than the VAE stride {vae_stride}; "
+            "resize it or use a smaller `vae_stride`."
+        )
+    return 1 + (int(num_frames) - 1) // st, int(height) // sh, int(width) // sw
+
+
+def token_grid(
+    latent: Sequence[int], patch_size: Sequence[int] = PATCH_SIZE
+) -> tuple[int, int, int]:
+    """Latent shape (f, h, w) → token grid after patchify. The patch must divide the latent."""
+    pt, ph, pw = _check_triple("patch_size", patch_size)
+    f, h, w = _check_triple("latent", latent)
+    if f % pt or h % ph or w % pw:
+        raise ValueError(
+            f"Latent shape {tuple(latent)} is not divisible by patch size {tuple(patch_size)}; "
+            "crop the sample to a multiple of vae_stride*patch_size."
+        )
+    return f // pt, h // ph, w // pw
+
+
+def pixel_token_grid(
+    num_frames: int,
+    height: int,
+    width: int,
+    vae_stride: Sequence[int] = VAE_STRIDE,
+    patch_size: Sequence[int] = PATCH_SIZE,
+) -> tuple[int, int, int]:
+    """Pixel clip shape → token grid, cropping the latent to a multiple of the patch."""
+    f, h, w = latent_shape(num_frames, height, width, vae_stride)
+    pt, ph, pw = _check_triple("patch_size", patch_size)
+    if f < pt or h < ph or w < pw:
+        raise ValueError(
+            f"Clip {num_frames}x{height}x{width} gives latent {(f, h, w)}, smaller than patch {tuple(patch_size)}."
+        )
+    return f // pt, h // ph, w // pw
+
+
+def seq_len(grid: Sequence[int]) -> int:
+    """Number of tokens S of a token grid (f, h, w)."""
+    f, h, w = grid
+    return int(f) * int(h) * int(w)
+
+
+def pixel_token_grids(
+    num_frames: np.ndarray,
+    height: np.ndarray,
+    width: np.ndarray,
+    vae_stride: Sequence[int] = VAE_STRIDE,
+    patch_size: Sequence[int] = PATCH_SIZE,
+) -> np.ndarray:
+    """Vectorised :func:`pixel_token_grid` over arrays; returns an int64 array [N, 3].
+
+    Inputs must already be validated positive integers (manifest readers do that per row so they
+    can name the bad row).
+    """
+    st, sh, sw = _check_triple("vae_stride", vae_stride)
+    pt, ph, pw = _check_triple("patch_size", patch_size)
+    fr = np.asarray(num_frames, dtype=np.int64)
+    f = (1 + (fr - 1) // st) // pt
+    h = (np.asarray(height, dtype=np.int64) // sh) // ph
+    w = (np.asarray(width, dtype=np.int64) // sw) // pw
+    return np.stack([f, h, w], axis=1)
