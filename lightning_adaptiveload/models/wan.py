@@ -1,0 +1,513 @@
+"""Wan 2.1 text-to-video diffusion transformer (DiT).
+
+The architecture follows the public Wan 2.1 release: a 3-D patch embedding of the VAE latents,
+an MLP over umT5 text features, a sinusoidal timestep embedding projected to six AdaLN
+modulation vectors per block, and blocks of (AdaLN → self-attention with q/k RMSNorm and 3-D
+RoPE → gated residual) + (LayerNorm → cross-attention to text) + (AdaLN → GELU(tanh) FFN →
+gated residual), then a modulated head and unpatchify. Parameter names and layouts match the
+published checkpoints (``blocks.0.self_attn.q.weight``, ``head.head.weight``, ...), so they load
+with ``load_state_dict``.
+
+Differences from the reference code, all on purpose:
+
+* Every sample of a batch shares one token grid (the bucketing sampler guarantees it), so there
+  is no padding, no per-sample loop and no ``seq_lens``; attention runs through
+  ``F.scaled_dot_product_attention`` on the whole batch.
+* RoPE uses real arithmetic in fp32 (the reference rotates complex fp64 numbers), with the
+  angles computed in fp64 so positions up to a few thousand lose no precision.
+* Every norm + modulate site is an :class:`~lightning_adaptiveload.modules.adaln.AdaLayerNorm`,
+  so a callback can swap in a fused kernel.
+
+Exact parameter counts (``WanModel(config).num_parameters()``): ``wan2_1_1_3b`` 1,418,996,800;
+``wan2_1_14b`` 14,288,491,584. With D = dim, F = ffn_dim, T = text_dim, P = prod(patch_size):
+
+    patch  in_dim·P·D + D            text   T·D + D + D² + D
+    time   freq_dim·D + D + D² + D   proj   6D² + 6D
+    block  8D² + 2DF + 21D + F       head   D·out_dim·P + out_dim·P + 2D
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_adaptiveload.modules.adaln import AdaLayerNorm
+
+__all__ = [
+    "WAN_CONFIGS",
+    "WanAttentionBlock",
+    "WanConfig",
+    "WanModel",
+    "from_name_or_config",
+    "rope_angles",
+    "rope_apply",
+    "sinusoidal_embedding",
+]
+
+
+@dataclass(frozen=True)
+class WanConfig:
+    """Hyperparameters of a Wan 2.1 DiT.
+
+    Args:
+        dim: hidden size.
+        ffn_dim: FFN inner size.
+        num_heads: attention heads; ``dim / num_heads`` must be even (RoPE rotates pairs).
+        num_layers: number of :class:`WanAttentionBlock`.
+        in_dim: latent channels in.
+        out_dim: latent channels out.
+        text_dim: text-encoder feature size (umT5-XXL: 4096).
+        text_len: text tokens; shorter contexts are zero-padded to it, as Wan does.
+        freq_dim: size of the sinusoidal timestep embedding.
+        patch_size: (t, h, w) patch of the 3-D patch embedding.
+        eps: epsilon of every norm.
+        qk_norm: RMSNorm on queries and keys.
+        cross_attn_norm: affine LayerNorm before cross-attention.
+        window_size: local attention window; only global attention ``(-1, -1)`` is supported.
+    """
+
+    dim: int
+    ffn_dim: int
+    num_heads: int
+    num_layers: int
+    in_dim: int = 16
+    out_dim: int = 16
+    text_dim: int = 4096
+    text_len: int = 512
+    freq_dim: int = 256
+    patch_size: tuple[int, int, int] = field(default=(1, 2, 2))
+    eps: float = 1e-6
+    qk_norm: bool = True
+    cross_attn_norm: bool = True
+    window_size: tuple[int, int] = field(default=(-1, -1))
+
+    def __post_init__(self) -> None:
+        # Lists come from YAML/JSON; keep the frozen config hashable and comparable.
+        object.__setattr__(self, "patch_size", tuple(int(p) for p in self.patch_size))
+        object.__setattr__(self, "window_size", tuple(int(w) for w in self.window_size))
+        for name in (
+            "dim",
+            "ffn_dim",
+            "num_heads",
+            "num_layers",
+            "in_dim",
+            "out_dim",
+            "text_dim",
+            "text_len",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"`WanConfig({name}={value!r})` is not valid. Expected a positive integer.")
+        if self.freq_dim < 2 or self.freq_dim % 2:
+            raise ValueError(
+                f"`WanConfig(freq_dim={self.freq_dim!r})` is not valid. Expected a positive even integer."
+            )
+        if self.dim % self.num_heads:
+            raise ValueError(
+                f"`WanConfig(dim={self.dim}, num_heads={self.num_heads})` is not valid. "
+                "Expected `dim` divisible by `num_heads`."
+            )
+        head_dim = self.dim // self.num_heads
+        if head_dim % 2 or head_dim < 6:
+            raise ValueError(
+                f"`WanConfig(dim={self.dim}, num_heads={self.num_heads})` gives head_dim={head_dim}. "
+                "Expected an even head_dim >= 6 (3-D RoPE splits it into three bands of pairs)."
+            )
+        if len(self.patch_size) != 3 or min(self.patch_size) < 1:
+            raise ValueError(
+                f"`WanConfig(patch_size={self.patch_size!r})` is not valid. Expected three positive integers."
+            )
+        if self.window_size != (-1, -1):
+            raise ValueError(
+                f"`WanConfig(window_size={self.window_size!r})` is not supported. "
+                "Only global attention `(-1, -1)` is implemented (as in every released Wan 2.1 model)."
+            )
+        if not self.eps > 0:
+            raise ValueError(f"`WanConfig(eps={self.eps!r})` is not valid. Expected a positive float.")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+
+WAN_CONFIGS: dict[str, WanConfig] = {
+    # Small enough to train for a few steps on two CPU cores in seconds.
+    "tiny": WanConfig(dim=64, ffn_dim=128, num_heads=4, num_layers=2, text_dim=32, text_len=16),
+    "wan2_1_1_3b": WanConfig(dim=1536, ffn_dim=8960, num_heads=12, num_layers=30),
+    "wan2_1_14b": WanConfig(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40),
+}
+
+
+def from_name_or_config(model: str | WanConfig | Mapping[str, Any]) -> WanConfig:
+    """Resolve a preset name, a :class:`WanConfig` or a dict of its fields to a :class:`WanConfig`.
+
+    Raises:
+        ValueError: unknown preset name or unknown dict keys.
+        TypeError: any other type.
+    """
+    if isinstance(model, WanConfig):
+        return model
+    if isinstance(model, str):
+        if model not in WAN_CONFIGS:
+            raise ValueError(f"Unknown Wan model preset {model!r}. Expected one of {sorted(WAN_CONFIGS)}.")
+        return WAN_CONFIGS[model]
+    if isinstance(model, Mapping):
+        known = {f.name for f in dataclasses.fields(WanConfig)}
+        unknown = sorted(set(model) - known)
+        if unknown:
+            raise ValueError(
+                f"Unknown WanConfig fields {unknown} in {dict(model)!r}. Expected keys among {sorted(known)}."
+            )
+        return WanConfig(**dict(model))
+    raise TypeError(
+        f"`model={model!r}` is not valid. Expected a preset name in {sorted(WAN_CONFIGS)}, a WanConfig or a dict."
+    )
+
+
+def sinusoidal_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Wan's timestep embedding ``[cos(t·ω), sin(t·ω)]`` with ``ω_i = 10000^(-i / (dim/2))``.
+
+    Computed in fp64 (timesteps reach 1000, fp32 phases would lose ~1e-4 rad), returned in fp32.
+    """
+    half = dim // 2
+    pos = t.to(torch.float64)
+    omega = torch.pow(10000.0, -torch.arange(half, dtype=torch.float64, device=t.device) / half)
+    phase = torch.outer(pos, omega)
+    return torch.cat([torch.cos(phase), torch.sin(phase)], dim=1).float()
+
+
+def _rope_bands(head_dim: int) -> tuple[int, int, int]:
+    # Pairs per axis, as Wan splits them: time gets the remainder, height and width a third each.
+    pairs = head_dim // 2
+    return pairs - 2 * (pairs // 3), pairs // 3, pairs // 3
+
+
+def rope_angles(
+    grid: tuple[int, int, int], head_dim: int, theta: float = 10000.0, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cos and sin tables ``[S, head_dim // 2]`` (fp32) of the 3-D RoPE for a token grid (f, h, w).
+
+    Token ``(i, j, k)`` (row-major, as the patch embedding flattens) rotates its time pairs by
+    ``i·θ^(-n/N_f)``, its height pairs by ``j·θ^(-n/N_h)`` and its width pairs by ``k·θ^(-n/N_w)``,
+    where ``N_*`` is the number of pairs of that band.
+    """
+    f, h, w = grid
+    angles = []
+    for length, pairs in zip((f, h, w), _rope_bands(head_dim), strict=True):
+        inv = torch.pow(theta, -torch.arange(pairs, dtype=torch.float64, device=device) / pairs)
+        angles.append(torch.outer(torch.arange(length, dtype=torch.float64, device=device), inv))
+    af, ah, aw = angles
+    full = torch.cat(
+        [
+            af[:, None, None, :].expand(f, h, w, -1),
+            ah[None, :, None, :].expand(f, h, w, -1),
+            aw[None, None, :, :].expand(f, h, w, -1),
+        ],
+        dim=-1,
+    ).reshape(f * h * w, -1)
+    return torch.cos(full).float(), torch.sin(full).float()
+
+
+def rope_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs ``(x[2n], x[2n+1])`` of ``x [B, S, H, D]`` in fp32; returns fp32."""
+    b, s, n, d = x.shape
+    pairs = x.float().reshape(b, s, n, d // 2, 2)
+    x0, x1 = pairs.unbind(-1)
+    c = cos[None, :, None, :]
+    si = sin[None, :, None, :]
+    return torch.stack([x0 * c - x1 * si, x0 * si + x1 * c], dim=-1).reshape(b, s, n, d)
+
+
+class WanRMSNorm(nn.Module):
+    """RMSNorm over the last dim, statistics in fp32, learned weight; output in the input dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+class WanLayerNorm(nn.LayerNorm):
+    """LayerNorm computed in fp32 and cast back (Wan's cross-attention pre-norm)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = None if self.weight is None else self.weight.float()
+        bias = None if self.bias is None else self.bias.float()
+        return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
+
+
+class WanSelfAttention(nn.Module):
+    """Multi-head attention with q/k RMSNorm over the full width; RoPE when ``rope`` is given.
+
+    Used for both self-attention (``context=None``, with RoPE) and cross-attention to text
+    (``context`` given, no RoPE), like Wan's T2V cross-attention.
+    """
+
+    def __init__(self, dim: int, num_heads: int, qk_norm: bool = True, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim)
+        self.v = nn.Linear(dim, dim)
+        self.o = nn.Linear(dim, dim)
+        self.norm_q = WanRMSNorm(dim, eps) if qk_norm else nn.Identity()
+        self.norm_k = WanRMSNorm(dim, eps) if qk_norm else nn.Identity()
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        b, n, d = x.shape[0], self.num_heads, self.head_dim
+        kv = x if context is None else context
+        q = self.norm_q(self.q(x)).view(b, -1, n, d)
+        k = self.norm_k(self.k(kv)).view(b, -1, n, d)
+        v = self.v(kv).view(b, -1, n, d)
+        if rope is not None:
+            # RoPE returns fp32; SDPA needs one dtype (bf16 under autocast), as the reference
+            # casts to the flash-attention dtype after rotating.
+            q = rope_apply(q, *rope).to(v.dtype)
+            k = rope_apply(k, *rope).to(v.dtype)
+        else:
+            q, k = q.to(v.dtype), k.to(v.dtype)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.o(out.transpose(1, 2).flatten(2))
+
+
+class WanAttentionBlock(nn.Module):
+    """One Wan 2.1 transformer block (the FSDP wrap unit).
+
+    Args:
+        config: model hyperparameters.
+
+    Attributes:
+        gradient_checkpointing: recompute this block's activations in backward
+            (``torch.utils.checkpoint``, non-reentrant). Set by :meth:`WanModel.set_gradient_checkpointing`.
+    """
+
+    def __init__(self, config: WanConfig) -> None:
+        super().__init__()
+        dim, eps = config.dim, config.eps
+        self.dim = dim
+        self.gradient_checkpointing = False
+        self.norm1 = AdaLayerNorm(dim, eps)
+        self.self_attn = WanSelfAttention(dim, config.num_heads, config.qk_norm, eps)
+        self.norm3 = (
+            WanLayerNorm(dim, eps, elementwise_affine=True) if config.cross_attn_norm else nn.Identity()
+        )
+        self.cross_attn = WanSelfAttention(dim, config.num_heads, config.qk_norm, eps)
+        self.norm2 = AdaLayerNorm(dim, eps)
+        self.ffn = nn.Sequential(
+            nn.Linear(dim, config.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(config.ffn_dim, dim)
+        )
+        self.modulation = nn.Parameter(torch.empty(1, 6, dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # Also what FSDP calls when it materialises a meta-device block.
+        nn.init.normal_(self.modulation, std=self.dim**-0.5)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        e0: torch.Tensor,
+        context: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """Args: ``x [B, S, D]``, ``e0 [B, 6, D]`` fp32, ``context [B, L, D]``, ``rope`` (cos, sin) ``[S, hd/2]``."""
+        if self.gradient_checkpointing and torch.is_grad_enabled():
+            # Inside the block so that an FSDP unit wrapping it unshards once around the recompute.
+            return checkpoint(self._forward, x, e0, context, rope, use_reentrant=False)
+        return self._forward(x, e0, context, rope)
+
+    def _forward(
+        self,
+        x: torch.Tensor,
+        e0: torch.Tensor,
+        context: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        # Modulation in fp32; chunk gives six strided [B, 1, D] views, no copies.
+        shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = (
+            self.modulation.float() + e0.float()
+        ).chunk(6, dim=1)
+        # Residual updates are plain tensor ops (autocast leaves them alone): promoting with the
+        # fp32 gate keeps the residual stream in fp32 from block 0 on, as in Wan.
+        x = x + self.self_attn(self.norm1(x, scale_sa, shift_sa), rope=rope) * gate_sa
+        x = x + self.cross_attn(self.norm3(x), context=context)
+        x = x + self.ffn(self.norm2(x, scale_ff, shift_ff)) * gate_ff
+        return x
+
+
+class WanHead(nn.Module):
+    """Output head: AdaLN with a ``[1, 2, D]`` modulation of the time embedding, then a fp32 Linear."""
+
+    def __init__(self, config: WanConfig) -> None:
+        super().__init__()
+        self.dim = config.dim
+        self.norm = AdaLayerNorm(config.dim, config.eps)
+        self.head = nn.Linear(config.dim, config.out_dim * math.prod(config.patch_size))
+        self.modulation = nn.Parameter(torch.empty(1, 2, config.dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.modulation, std=self.dim**-0.5)
+
+    def forward(self, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        shift, scale = (self.modulation.float() + e.float().unsqueeze(1)).chunk(2, dim=1)
+        y = self.norm(x, scale, shift)
+        # The reference runs the projection in fp32; it is tiny (out = 64 for Wan) and its output
+        # is the velocity the loss sees.
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            bias = None if self.head.bias is None else self.head.bias.float()
+            return F.linear(y.float(), self.head.weight.float(), bias)
+
+
+class WanModel(nn.Module):
+    """Wan 2.1 text-to-video DiT.
+
+    Args:
+        config: a :class:`WanConfig`, a preset name from :data:`WAN_CONFIGS` or a dict of fields.
+
+    Example::
+
+        model = WanModel("tiny")
+        x = torch.randn(2, 16, 5, 8, 12)  # [B, C, F, H, W] latents
+        v = model(x, torch.tensor([10.0, 900.0]), torch.randn(2, 16, 32))  # same shape as x
+    """
+
+    def __init__(self, config: str | WanConfig | Mapping[str, Any]) -> None:
+        super().__init__()
+        config = from_name_or_config(config)
+        self.config = config
+        dim = config.dim
+        self.patch_size = config.patch_size
+        self.patch_embedding = nn.Conv3d(
+            config.in_dim, dim, kernel_size=config.patch_size, stride=config.patch_size
+        )
+        self.text_embedding = nn.Sequential(
+            nn.Linear(config.text_dim, dim), nn.GELU(approximate="tanh"), nn.Linear(dim, dim)
+        )
+        self.time_embedding = nn.Sequential(nn.Linear(config.freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
+        self.time_projection = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+        self.blocks = nn.ModuleList(WanAttentionBlock(config) for _ in range(config.num_layers))
+        self.head = WanHead(config)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """Wan's initialisation: xavier-uniform Linears with zero bias, N(0, 0.02) text/time
+        embeddings, xavier patch embedding (as a [D, C·P] matrix), zero output projection.
+
+        Call it again after materialising a meta-device model if Wan's init matters (FSDP's
+        materialisation runs each module's own ``reset_parameters``).
+        """
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        weight = self.patch_embedding.weight
+        # xavier on the flattened view: fan_in = C·P, fan_out = D (the conv's own fans count P twice).
+        bound = math.sqrt(6.0 / (weight.shape[0] + weight[0].numel()))
+        nn.init.uniform_(weight, -bound, bound)
+        nn.init.zeros_(self.patch_embedding.bias)
+        for module in (*self.text_embedding, *self.time_embedding):
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+        nn.init.zeros_(self.head.head.weight)
+        nn.init.zeros_(self.head.head.bias)
+        for block in self.blocks:
+            block.reset_parameters()
+        self.head.reset_parameters()
+
+    def set_gradient_checkpointing(self, enabled: bool = True) -> None:
+        """Recompute each block's activations in backward (saves ~all block activations)."""
+        for block in self.blocks:
+            block.gradient_checkpointing = enabled
+
+    def num_parameters(self) -> int:
+        """Total number of parameters (works on the meta device)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def token_grid(self, latent_shape: tuple[int, int, int]) -> tuple[int, int, int]:
+        """Latent (F, H, W) → token grid (f, h, w); raises if the patch does not divide it."""
+        if len(latent_shape) != 3 or any(s % p for s, p in zip(latent_shape, self.patch_size, strict=True)):
+            raise ValueError(
+                f"Latent shape (F, H, W)={tuple(latent_shape)} is not divisible by patch_size={self.patch_size}. "
+                "Crop or pad the latents to a multiple of the patch."
+            )
+        return tuple(s // p for s, p in zip(latent_shape, self.patch_size, strict=True))  # type: ignore[return-value]
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """Predict the flow velocity.
+
+        Args:
+            x: noisy latents ``[B, in_dim, F, H, W]``; the patch must divide (F, H, W).
+            t: timesteps ``[B]`` in [0, 1000] (a scalar is broadcast).
+            context: text features ``[B, L, text_dim]`` with ``L <= text_len`` (zero-padded to
+                ``text_len`` as Wan does; the padding passes through the text MLP's biases).
+
+        Returns:
+            ``[B, out_dim, F, H, W]`` in fp32.
+        """
+        cfg = self.config
+        if x.dim() != 5 or x.shape[1] != cfg.in_dim:
+            raise ValueError(f"`x` has shape {tuple(x.shape)}. Expected [B, {cfg.in_dim}, F, H, W].")
+        b = x.shape[0]
+        grid = self.token_grid(tuple(x.shape[2:]))
+        t = t.reshape(-1).expand(b) if t.numel() == 1 else t
+        if t.shape != (b,):
+            raise ValueError(f"`t` has shape {tuple(t.shape)}. Expected [{b}] (one timestep per sample).")
+        if (
+            context.dim() != 3
+            or context.shape[0] != b
+            or context.shape[2] != cfg.text_dim
+            or context.shape[1] > cfg.text_len
+        ):
+            raise ValueError(
+                f"`context` has shape {tuple(context.shape)}. Expected [{b}, L <= {cfg.text_len}, {cfg.text_dim}]."
+            )
+        if context.shape[1] < cfg.text_len:
+            context = F.pad(context, (0, 0, 0, cfg.text_len - context.shape[1]))
+
+        tokens = self.patch_embedding(x).flatten(2).transpose(1, 2)  # [B, S, D]
+
+        # Time embedding and its projection in fp32 (the reference asserts fp32 modulation).
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            w = self.time_embedding[0].weight
+            e = self.time_embedding(sinusoidal_embedding(t, cfg.freq_dim).to(w.dtype)).float()
+            e0 = self.time_projection(e.to(w.dtype)).float().unflatten(1, (6, cfg.dim))
+
+        context = self.text_embedding(context)
+        rope = rope_angles(grid, cfg.head_dim, device=x.device)
+        for block in self.blocks:
+            tokens = block(tokens, e0, context, rope)
+        out = self.head(tokens, e)
+        return self.unpatchify(out, grid)
+
+    def unpatchify(self, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """``[B, S, P·C]`` (per-token layout (pt, ph, pw, C)) → ``[B, C, f·pt, h·ph, w·pw]``."""
+        b, c = x.shape[0], self.config.out_dim
+        f, h, w = grid
+        pt, ph, pw = self.patch_size
+        x = x.reshape(b, f, h, w, pt, ph, pw, c).permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return x.reshape(b, c, f * pt, h * ph, w * pw)
