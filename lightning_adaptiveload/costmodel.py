@@ -1,0 +1,446 @@
+"""Step-latency and memory models fitted from shape benchmarks.
+
+A training step on a DiT costs ``t(B, S)`` seconds for a batch of ``B`` samples of ``S`` tokens each.
+Two forms are supported:
+
+- ``"power"``: ``t = a + b·B·S^p`` — the paper's form; it maps one-to-one onto
+  :class:`~lightning_adaptiveload.bucketing.policy.DualConstraintPolicy` (``B·S^p ≤ M_comp``).
+- ``"quadratic"``: ``t = a + B·(c1·S + c2·S²)`` — linear layers cost ∝ S, attention ∝ S², so this
+  form tracks the switch from projection-bound images to attention-bound videos better.
+
+``"auto"`` fits both and keeps the one with the lower held-out median relative error. Fits minimise
+*relative* residuals (``pred/t - 1``) because step times span orders of magnitude: an absolute loss
+would fit the long videos and ignore the images. All parameters are kept non-negative.
+
+Peak memory is modelled as ``m0 + m1·B·S`` bytes (:class:`MemoryModel`), which gives the token
+budget ``M_mem`` for a device.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from scipy.optimize import least_squares, nnls
+
+if TYPE_CHECKING:
+    from lightning_adaptiveload.bucketing.policy import CostModelPolicy, DualConstraintPolicy
+
+FORMS: tuple[str, ...] = ("power", "quadratic")
+PARAM_NAMES: dict[str, tuple[str, ...]] = {"power": ("a", "b", "p"), "quadratic": ("a", "c1", "c2")}
+_JSON_FORMAT = "lightning_adaptiveload.CostModel"
+_JSON_VERSION = 1
+# The exponent is kept in a physically meaningful range: below 0.5 nothing in a transformer scales,
+# above 3 the fit is chasing noise.
+_P_BOUNDS = (0.5, 3.0)
+# Leave-one-out up to this many points, k-fold (deterministic folds) above.
+_LOO_MAX_POINTS = 24
+_KFOLD = 8
+
+
+def _as_1d(name: str, values: Any) -> np.ndarray:
+    arr = np.asarray(values, dtype=np.float64)
+    if arr.ndim == 0:
+        arr = arr.reshape(1)
+    if arr.ndim != 1:
+        raise ValueError(f"`{name}` has shape {arr.shape}. Expected a 1-D sequence of numbers.")
+    return arr
+
+
+def _validate_points(batch_sizes: Any, seq_lens: Any, values: Any, value_name: str) -> tuple[np.ndarray, ...]:
+    b = _as_1d("batch_sizes", batch_sizes)
+    s = _as_1d("seq_lens", seq_lens)
+    v = _as_1d(value_name, values)
+    if not (len(b) == len(s) == len(v)):
+        raise ValueError(
+            f"`batch_sizes`, `seq_lens` and `{value_name}` have lengths {len(b)}, {len(s)}, {len(v)}. "
+            "Expected one entry per measured shape in each."
+        )
+    for name, arr in (("batch_sizes", b), ("seq_lens", s), (value_name, v)):
+        bad = np.flatnonzero(~np.isfinite(arr) | (arr <= 0))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"`{name}[{i}]={arr[i]!r}` is not valid ({bad.size} bad entries). Expected finite positive "
+                "values; drop failed or infeasible measurements before fitting."
+            )
+    return b, s, v
+
+
+def _predict(form: str, theta: np.ndarray, b: np.ndarray, s: np.ndarray) -> np.ndarray:
+    if form == "power":
+        a, k, p = theta
+        return a + k * b * s**p
+    a, c1, c2 = theta
+    return a + b * (c1 * s + c2 * s * s)
+
+
+def _fit_normalised(form: str, b: np.ndarray, s: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Fits on S / S_ref and t / t_ref (well-conditioned) and returns parameters in those units."""
+
+    def residuals(theta: np.ndarray) -> np.ndarray:
+        return _predict(form, theta, b, s) / t - 1.0
+
+    tmin = float(t.min())
+    starts: list[np.ndarray] = []
+    if form == "power":
+        # Log-log regression of (t - a0)/B on S gives p and b for a few guesses of the overhead a0;
+        # least_squares then refines the best of them.
+        for frac in (0.0, 0.5, 0.9):
+            a0 = frac * tmin
+            y = np.log(np.maximum(t - a0, 1e-3 * tmin) / b)
+            slope, intercept = np.polyfit(np.log(s), y, 1)
+            p0 = float(np.clip(slope, *_P_BOUNDS))
+            starts.append(np.array([a0, math.exp(intercept), p0]))
+        lower, upper = [0.0, 0.0, _P_BOUNDS[0]], [np.inf, np.inf, _P_BOUNDS[1]]
+    else:
+        # The quadratic form is linear in its parameters: the non-negative least-squares solution of
+        # the relative-error system is the optimum; least_squares only polishes it.
+        design = np.stack([np.ones_like(s), b * s, b * s * s], axis=1) / t[:, None]
+        theta0, _ = nnls(design, np.ones_like(t))
+        starts.append(theta0)
+        lower, upper = [0.0, 0.0, 0.0], [np.inf, np.inf, np.inf]
+    best = None
+    for x0 in starts:
+        x0 = np.clip(x0, np.array(lower) + 1e-12, np.minimum(np.array(upper), 1e12))
+        if form == "power":
+            x0[2] = np.clip(x0[2], _P_BOUNDS[0] + 1e-6, _P_BOUNDS[1] - 1e-6)
+        res = least_squares(residuals, x0, bounds=(lower, upper), method="trf", x_scale="jac", max_nfev=2000)
+        if best is None or res.cost < best.cost:
+            best = res
+    assert best is not None
+    return best.x
+
+
+def _fit_params(form: str, b: np.ndarray, s: np.ndarray, t: np.ndarray) -> dict[str, float]:
+    s_ref = float(s.max())
+    t_ref = float(np.median(t))
+    theta = _fit_normalised(form, b, s / s_ref, t / t_ref)
+    if form == "power":
+        a, k, p = theta
+        return {"a": a * t_ref, "b": k * t_ref / s_ref**p, "p": float(p)}
+    a, c1, c2 = theta
+    return {"a": a * t_ref, "c1": c1 * t_ref / s_ref, "c2": c2 * t_ref / s_ref**2}
+
+
+def _heldout_median_rel_error(form: str, b: np.ndarray, s: np.ndarray, t: np.ndarray) -> float:
+    """Median |pred/t - 1| on points left out of the fit; NaN when no fold has enough data."""
+    n = len(t)
+    folds = np.arange(n) if n <= _LOO_MAX_POINTS else np.arange(n) % _KFOLD
+    errors: list[np.ndarray] = []
+    for k in np.unique(folds):
+        test = folds == k
+        train = ~test
+        if train.sum() < len(PARAM_NAMES[form]) + 1 or len(np.unique(s[train])) < 2:
+            continue
+        params = _fit_params(form, b[train], s[train], t[train])
+        pred = _predict(form, np.array(list(params.values())), b[test], s[test])
+        errors.append(np.abs(pred / t[test] - 1.0))
+    if not errors:
+        return float("nan")
+    return float(np.median(np.concatenate(errors)))
+
+
+def _quality(form: str, params: dict[str, float], b: np.ndarray, s: np.ndarray, t: np.ndarray) -> dict[str, float]:
+    pred = _predict(form, np.array(list(params.values())), b, s)
+    rel = np.abs(pred / t - 1.0)
+    ss_tot = float(((t - t.mean()) ** 2).sum())
+    r2 = 1.0 - float(((t - pred) ** 2).sum()) / ss_tot if ss_tot > 0 else float("nan")
+    return {
+        "r2": r2,
+        "median_rel_error": float(np.median(rel)),
+        "max_rel_error": float(rel.max()),
+        "heldout_median_rel_error": _heldout_median_rel_error(form, b, s, t),
+        "n_points": float(len(t)),
+    }
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """A fitted step-latency model ``t(B, S)`` in seconds.
+
+    Args:
+        form: ``"power"`` (``a + b·B·S^p``) or ``"quadratic"`` (``a + B·(c1·S + c2·S²)``).
+        params: The parameters of that form (names in :data:`PARAM_NAMES`), non-negative.
+        quality: Fit-quality metrics: ``r2``, ``median_rel_error``, ``max_rel_error``,
+            ``heldout_median_rel_error`` (leave-one-out, or 8-fold above 24 points), ``n_points``, and
+            for ``"auto"`` fits the held-out error of every form tried (``heldout_<form>``).
+
+    Raises:
+        ValueError: If the form is unknown or the parameters are missing, negative or not finite.
+
+    Example::
+
+        cm = CostModel.fit([1, 2, 4, 1, 2], [1560, 1560, 1560, 32760, 32760], times)
+        cm.predict(2, 8190)          # seconds
+        policy = cm.policy(m_mem=65_520)
+    """
+
+    form: str
+    params: dict[str, float]
+    quality: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.form not in FORMS:
+            raise ValueError(f"`CostModel(form={self.form!r})` is not valid. Expected one of {FORMS}.")
+        names = PARAM_NAMES[self.form]
+        if set(self.params) != set(names):
+            raise ValueError(
+                f"`CostModel(form={self.form!r}, params={self.params!r})` is not valid. "
+                f"Expected exactly the parameters {names}."
+            )
+        for k in names:
+            v = self.params[k]
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(
+                    f"`CostModel` parameter {k}={v!r} is not valid. Expected a finite non-negative number."
+                )
+        slope = (self.params["b"],) if self.form == "power" else (self.params["c1"], self.params["c2"])
+        if all(v == 0 for v in slope):
+            raise ValueError(
+                f"`CostModel(form={self.form!r}, params={self.params!r})` predicts a step time that does not "
+                "grow with the batch; expected a positive per-token cost."
+            )
+        # Normalise order and types so equality and JSON are stable.
+        object.__setattr__(self, "params", {k: float(self.params[k]) for k in names})
+
+    @classmethod
+    def fit(cls, batch_sizes: Any, seq_lens: Any, times: Any, form: str = "auto") -> CostModel:
+        """Fits the model to measured step times.
+
+        Args:
+            batch_sizes: Batch size ``B`` of each measurement.
+            seq_lens: Tokens per sample ``S`` of each measurement.
+            times: Step time in seconds of each measurement (finite, > 0).
+            form: ``"power"``, ``"quadratic"`` or ``"auto"`` (lowest held-out median relative error;
+                falls back to the lowest in-sample error, with a warning, when there are too few points
+                to hold any out).
+
+        Raises:
+            ValueError: On mismatched lengths, non-finite or non-positive entries, fewer than 4 points,
+                or fewer than 2 distinct sequence lengths (the S-dependence is then not identifiable).
+        """
+        if form not in (*FORMS, "auto"):
+            raise ValueError(f"`CostModel.fit(form={form!r})` is not valid. Expected one of {(*FORMS, 'auto')}.")
+        b, s, t = _validate_points(batch_sizes, seq_lens, times, "times")
+        n_params = 3
+        if len(t) < n_params + 1:
+            raise ValueError(
+                f"`CostModel.fit` got {len(t)} measurements; a 3-parameter form needs at least {n_params + 1} "
+                "(one more than its parameters, so the fit is not exact by construction). Profile more shapes."
+            )
+        if len(np.unique(s)) < 2:
+            raise ValueError(
+                f"`CostModel.fit` got a single sequence length S={s[0]:g}; the dependence on S cannot be "
+                "fitted. Profile at least two distinct sequence lengths (three or more recommended)."
+            )
+        forms = FORMS if form == "auto" else (form,)
+        fits = {f: _fit_params(f, b, s, t) for f in forms}
+        quals = {f: _quality(f, fits[f], b, s, t) for f in forms}
+        if form == "auto":
+            held = {f: quals[f]["heldout_median_rel_error"] for f in forms}
+            if all(math.isfinite(v) for v in held.values()):
+                chosen = min(forms, key=lambda f: held[f])
+            else:
+                chosen = min(forms, key=lambda f: quals[f]["median_rel_error"])
+                warnings.warn(
+                    f"`CostModel.fit(form='auto')` had too few points ({len(t)}) for a held-out comparison; "
+                    f"chose {chosen!r} by in-sample error. Profile more shapes for a reliable choice.",
+                    stacklevel=2,
+                )
+            quality = dict(quals[chosen])
+            quality.update({f"heldout_{f}": held[f] for f in forms})
+        else:
+            chosen = form
+            quality = quals[form]
+        return cls(chosen, fits[chosen], quality)
+
+    def predict(self, batch_size: Any, seq_len: Any) -> np.ndarray | float:
+        """Predicted step time in seconds; broadcasts over numpy arrays, returns a float for scalars."""
+        b = np.asarray(batch_size, dtype=np.float64)
+        s = np.asarray(seq_len, dtype=np.float64)
+        out = _predict(self.form, np.array(list(self.params.values())), b, s)
+        return float(out) if out.ndim == 0 else out
+
+    def policy(self, m_mem: int, step_budget: float | None = None) -> DualConstraintPolicy | CostModelPolicy:
+        """The batch-size policy this model implies.
+
+        Args:
+            m_mem: Token budget per batch from memory (``B·S ≤ m_mem``).
+            step_budget: Target step time in seconds. ``None`` uses the time of one sample of ``m_mem``
+                tokens (the longest sequence memory allows then runs at ``B = 1``).
+
+        Returns:
+            ``DualConstraintPolicy(m_mem, m_comp, p)`` with ``m_comp = (step_budget - a) / b`` for the
+            ``"power"`` form (so ``B·S^p ≤ m_comp`` ⇔ predicted time ≤ budget), else
+            ``CostModelPolicy(self, m_mem, step_budget)``.
+
+        Raises:
+            ValueError: If ``m_mem`` is not a positive integer or the budget is not above the
+                fixed overhead ``a``.
+        """
+        from lightning_adaptiveload.bucketing.policy import CostModelPolicy, DualConstraintPolicy
+
+        if int(m_mem) != m_mem or m_mem < 1:
+            raise ValueError(f"`CostModel.policy(m_mem={m_mem!r})` is not valid. Expected a positive integer.")
+        m_mem = int(m_mem)
+        if step_budget is None:
+            step_budget = float(self.predict(1, m_mem))
+        a = self.params["a"]
+        if not math.isfinite(step_budget) or step_budget <= a:
+            raise ValueError(
+                f"`CostModel.policy(step_budget={step_budget!r})` is not valid: it must exceed the fixed step "
+                f"overhead a={a:.6g} s, or no batch fits. Raise the budget."
+            )
+        if self.form == "power":
+            m_comp = (step_budget - a) / self.params["b"]
+            return DualConstraintPolicy(m_mem, m_comp, self.params["p"])
+        return CostModelPolicy(self, m_mem, step_budget)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (see :meth:`to_json`)."""
+        return {
+            "format": _JSON_FORMAT,
+            "version": _JSON_VERSION,
+            "form": self.form,
+            "params": dict(self.params),
+            "quality": {k: (v if math.isfinite(v) else None) for k, v in self.quality.items()},
+        }
+
+    def to_json(self) -> str:
+        """Serialises to JSON (never pickle: calibrations are shared between machines)."""
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> CostModel:
+        """Inverse of :meth:`to_dict`; validates format, version, form and parameters."""
+        if not isinstance(data, dict) or data.get("format") != _JSON_FORMAT:
+            raise ValueError(
+                f"Not a serialised CostModel: expected a JSON object with format={_JSON_FORMAT!r}, got "
+                f"{str(data)[:200]!r}."
+            )
+        if data.get("version") != _JSON_VERSION:
+            raise ValueError(
+                f"CostModel JSON version {data.get('version')!r} is not supported (this build reads version "
+                f"{_JSON_VERSION}); re-run the shape benchmark."
+            )
+        params = data.get("params")
+        if not isinstance(params, dict):
+            raise ValueError(f"CostModel JSON has params={params!r}. Expected an object of numbers.")
+        quality = data.get("quality") or {}
+        if not isinstance(quality, dict):
+            raise ValueError(f"CostModel JSON has quality={quality!r}. Expected an object of numbers.")
+        quality = {k: float("nan") if v is None else float(v) for k, v in quality.items()}
+        return cls(data.get("form"), params, quality)
+
+    @classmethod
+    def from_json(cls, text: str) -> CostModel:
+        """Inverse of :meth:`to_json`.
+
+        Raises:
+            ValueError: If ``text`` is not valid JSON or not a supported CostModel record.
+        """
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"CostModel JSON could not be parsed: {err}.") from err
+        return cls.from_dict(data)
+
+    def __str__(self) -> str:
+        if self.form == "power":
+            p = self.params
+            expr = f"t = {p['a'] * 1e3:.3g} ms + {p['b']:.4g}·B·S^{p['p']:.3f} s"
+        else:
+            p = self.params
+            expr = f"t = {p['a'] * 1e3:.3g} ms + B·({p['c1']:.4g}·S + {p['c2']:.4g}·S²) s"
+        held = self.quality.get("heldout_median_rel_error", float("nan"))
+        return f"CostModel[{self.form}]: {expr} (held-out median rel. error {held:.1%})"
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Peak training-step memory ``m0 + m1·B·S`` bytes.
+
+    Args:
+        m0: Fixed bytes (weights, gradients, optimizer state, workspace).
+        m1: Bytes per token of the batch (activations).
+    """
+
+    m0: float
+    m1: float
+
+    def __post_init__(self) -> None:
+        for name, v in (("m0", self.m0), ("m1", self.m1)):
+            if not math.isfinite(v) or v < 0:
+                raise ValueError(f"`MemoryModel({name}={v!r})` is not valid. Expected a finite non-negative number.")
+        if self.m1 == 0:
+            raise ValueError("`MemoryModel(m1=0)` is not valid: peak memory must grow with the number of tokens.")
+
+    @classmethod
+    def fit(cls, batch_sizes: Any, seq_lens: Any, peak_bytes: Any) -> MemoryModel:
+        """Non-negative linear least squares of peak bytes on tokens ``B·S``.
+
+        Raises:
+            ValueError: On bad inputs, fewer than two distinct token counts, or a peak that does not grow
+                with tokens.
+        """
+        b, s, m = _validate_points(batch_sizes, seq_lens, peak_bytes, "peak_bytes")
+        tokens = b * s
+        if len(np.unique(tokens)) < 2:
+            raise ValueError(
+                "`MemoryModel.fit` needs at least two distinct token counts B·S to separate the fixed and "
+                f"per-token memory; got only {np.unique(tokens).tolist()}."
+            )
+        scale = float(m.max())
+        design = np.stack([np.ones_like(tokens), tokens / tokens.max()], axis=1)
+        (m0, m1n), _ = nnls(design, m / scale)
+        if m1n <= 0:
+            raise ValueError(
+                "`MemoryModel.fit`: measured peak memory does not grow with B·S "
+                f"(peaks {m.tolist()}); cannot derive a token budget from it. Pass `m_mem` explicitly."
+            )
+        return cls(float(m0 * scale), float(m1n * scale / tokens.max()))
+
+    def predict(self, batch_size: Any, seq_len: Any) -> np.ndarray | float:
+        """Predicted peak bytes; broadcasts over numpy arrays."""
+        out = self.m0 + self.m1 * np.asarray(batch_size, dtype=np.float64) * np.asarray(seq_len, dtype=np.float64)
+        return float(out) if np.ndim(out) == 0 else out
+
+    def max_tokens(self, device_memory: float, margin: float = 0.1, oom_tokens: Any = None) -> int:
+        """Token budget ``M_mem = floor((device_memory·(1 - margin) - m0) / m1)``.
+
+        Args:
+            device_memory: Usable bytes of the device.
+            margin: Fraction held back for fragmentation and allocator slack, in ``[0, 1)``.
+            oom_tokens: Token counts ``B·S`` that ran out of memory while profiling; the budget is kept
+                below the smallest of them.
+
+        Raises:
+            ValueError: If the margin is out of range or no token fits.
+        """
+        if not 0 <= margin < 1:
+            raise ValueError(f"`margin={margin!r}` is not valid. Expected a fraction in [0, 1).")
+        budget = math.floor((device_memory * (1.0 - margin) - self.m0) / self.m1)
+        if oom_tokens is not None and len(oom_tokens):
+            budget = min(budget, int(min(oom_tokens)) - 1)
+        if budget < 1:
+            raise ValueError(
+                f"No token fits: fixed memory {self.m0 / 2**30:.2f} GiB and {self.m1:.0f} B/token against "
+                f"{device_memory / 2**30:.2f} GiB with margin {margin}. Shard the model (FSDP) or lower the margin."
+            )
+        return int(budget)
+
+    def to_dict(self) -> dict[str, float]:
+        """A JSON-ready dict."""
+        return {"m0": self.m0, "m1": self.m1}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> MemoryModel:
+        """Inverse of :meth:`to_dict`."""
+        if not isinstance(data, dict) or not {"m0", "m1"} <= set(data):
+            raise ValueError(f"Not a serialised MemoryModel: {str(data)[:200]!r}. Expected keys m0 and m1.")
+        return cls(float(data["m0"]), float(data["m1"]))
