@@ -57,7 +57,12 @@ def _validate_mixture(
             if not _is_int(entry[key]) or entry[key] < 1:
                 raise ValueError(f"{where}: {key}={entry[key]!r}; expected a positive integer.")
         weight = entry.get("weight", 1.0)
-        if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight) or weight < 0:
+        if (
+            isinstance(weight, bool)
+            or not isinstance(weight, numbers.Real)
+            or not math.isfinite(weight)
+            or weight < 0
+        ):
             raise ValueError(f"{where}: weight={weight!r}; expected a finite number >= 0.")
         try:
             grid = pixel_token_grid(
