@@ -1,0 +1,242 @@
+import json
+import math
+
+import numpy as np
+import pytest
+
+from lightning_adaptiveload.bucketing.policy import CostModelPolicy, DualConstraintPolicy
+from lightning_adaptiveload.costmodel import CostModel, MemoryModel
+
+# Wan-like sequence lengths: images (1,30,52) up to 81-frame 480p video (21,30,52).
+SEQ = np.array([1560, 3120, 6240, 12480, 20280, 32760])
+BATCH = np.array([1, 2, 4, 8])
+
+
+def _grid():
+    b, s = np.meshgrid(BATCH, SEQ)
+    return b.ravel(), s.ravel()
+
+
+def _power(b, s, a=0.01, k=2e-9, p=1.6):
+    return a + k * b * s**p
+
+
+def _quadratic(b, s, a=0.005, c1=3e-7, c2=1e-11):
+    return a + b * (c1 * s + c2 * s * s)
+
+
+def _noisy(t, rel=0.02, seed=0):
+    return t * (1 + rel * np.random.default_rng(seed).standard_normal(t.shape))
+
+
+def test_power_exact_recovery():
+    b, s = _grid()
+    cm = CostModel.fit(b, s, _power(b, s), form="power")
+    assert cm.form == "power"
+    assert cm.params["p"] == pytest.approx(1.6, rel=1e-5)
+    assert cm.params["b"] == pytest.approx(2e-9, rel=1e-4)
+    assert cm.params["a"] == pytest.approx(0.01, rel=1e-4)
+    assert cm.quality["max_rel_error"] < 1e-6
+    assert cm.quality["r2"] == pytest.approx(1.0, abs=1e-9)
+
+
+def test_power_noisy_recovery():
+    b, s = _grid()
+    cm = CostModel.fit(b, s, _noisy(_power(b, s)), form="power")
+    assert cm.params["p"] == pytest.approx(1.6, abs=0.03)
+    assert cm.params["a"] == pytest.approx(0.01, rel=0.1)
+    # Predictions, not the (correlated) b and p individually, are what the policy uses.
+    assert np.allclose(cm.predict(b, s), _power(b, s), rtol=0.03)
+    assert cm.quality["heldout_median_rel_error"] < 0.03
+    assert cm.quality["r2"] > 0.99
+
+
+def test_quadratic_exact_and_noisy_recovery():
+    b, s = _grid()
+    exact = CostModel.fit(b, s, _quadratic(b, s), form="quadratic")
+    for name, true in (("a", 0.005), ("c1", 3e-7), ("c2", 1e-11)):
+        assert exact.params[name] == pytest.approx(true, rel=1e-6)
+    noisy = CostModel.fit(b, s, _noisy(_quadratic(b, s), seed=1), form="quadratic")
+    assert noisy.params["c2"] == pytest.approx(1e-11, rel=0.05)
+    assert noisy.params["c1"] == pytest.approx(3e-7, rel=0.1)
+    assert np.allclose(noisy.predict(b, s), _quadratic(b, s), rtol=0.03)
+    assert noisy.quality["heldout_median_rel_error"] < 0.03
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_auto_picks_generating_form(seed):
+    b, s = _grid()
+    by_quad = CostModel.fit(b, s, _noisy(_quadratic(b, s), seed=seed), form="auto")
+    assert by_quad.form == "quadratic"
+    assert by_quad.quality["heldout_quadratic"] < by_quad.quality["heldout_power"]
+    by_power = CostModel.fit(b, s, _noisy(_power(b, s, p=1.6), seed=seed), form="auto")
+    assert by_power.form == "power"
+    assert by_power.quality["heldout_power"] < by_power.quality["heldout_quadratic"]
+
+
+def test_kfold_used_for_many_points():
+    rng = np.random.default_rng(3)
+    b = rng.integers(1, 16, size=60)
+    s = rng.choice(SEQ, size=60)
+    cm = CostModel.fit(b, s, _noisy(_quadratic(b, s), seed=3), form="auto")
+    assert cm.form == "quadratic"
+    assert cm.quality["n_points"] == 60
+    assert 0 < cm.quality["heldout_median_rel_error"] < 0.03
+
+
+def test_predict_vectorised_and_scalar():
+    cm = CostModel("quadratic", {"a": 1.0, "c1": 2.0, "c2": 3.0})
+    assert cm.predict(2, 5) == 1.0 + 2 * (2 * 5 + 3 * 25)
+    assert isinstance(cm.predict(2, 5), float)
+    out = cm.predict(np.array([[1], [2]]), np.array([1, 2, 3]))
+    assert out.shape == (2, 3)
+    assert out[1, 2] == 1.0 + 2 * (2 * 3 + 3 * 9)
+    pw = CostModel("power", {"a": 0.5, "b": 2.0, "p": 1.5})
+    assert pw.predict(3, 4) == 0.5 + 2.0 * 3 * 4**1.5
+
+
+@pytest.mark.parametrize(
+    "b, s, t, match",
+    [
+        ([1, 2, 3], [10, 20, 30], [1.0, 2.0], "lengths"),
+        ([1, 2, 3, 4], [10, 20, 30, 40], [1.0, float("nan"), 3.0, 4.0], r"times\[1\]"),
+        ([1, 2, 3, 4], [10, 20, 30, 40], [1.0, 2.0, float("inf"), 4.0], r"times\[2\]"),
+        ([1, 2, 3, 4], [10, 20, 30, 40], [1.0, 2.0, 0.0, 4.0], r"times\[2\]"),
+        ([1, 2, 3, 4], [10, 20, 30, 40], [1.0, -2.0, 3.0, 4.0], r"times\[1\]"),
+        ([1, 0, 3, 4], [10, 20, 30, 40], [1.0, 2.0, 3.0, 4.0], r"batch_sizes\[1\]"),
+        ([1, 2, 3], [10, 20, 30], [1.0, 2.0, 3.0], "at least 4"),
+        ([1, 2, 4, 8], [50, 50, 50, 50], [1.0, 2.0, 3.0, 4.0], "single sequence length"),
+        ([[1, 2], [3, 4]], [10, 20, 30, 40], [1.0, 2.0, 3.0, 4.0], "1-D"),
+    ],
+)
+def test_degenerate_inputs_raise(b, s, t, match):
+    with pytest.raises(ValueError, match=match):
+        CostModel.fit(b, s, t)
+
+
+def test_unknown_form_raises():
+    b, s = _grid()
+    with pytest.raises(ValueError, match="form='cubic'"):
+        CostModel.fit(b, s, _power(b, s), form="cubic")
+
+
+def test_auto_with_too_few_points_warns_and_falls_back():
+    # Four points: every leave-one-out fold has 3 points, one too few for a 3-parameter fit.
+    b = [1, 2, 1, 2]
+    s = [100, 100, 400, 400]
+    t = _quadratic(np.array(b), np.array(s), a=0.01, c1=1e-4, c2=1e-7)
+    with pytest.warns(UserWarning, match="too few points"):
+        cm = CostModel.fit(b, s, t, form="auto")
+    assert math.isnan(cm.quality["heldout_median_rel_error"])
+    assert cm.quality["median_rel_error"] < 0.05
+
+
+def test_json_round_trip_and_validation():
+    b, s = _grid()
+    cm = CostModel.fit(b, s, _noisy(_power(b, s)), form="auto")
+    text = cm.to_json()
+    back = CostModel.from_json(text)
+    assert back == cm
+    assert np.array_equal(back.predict(b, s), cm.predict(b, s))
+    data = json.loads(text)
+    assert data["version"] == 1 and data["format"] == "lightning_adaptiveload.CostModel"
+
+    with pytest.raises(ValueError, match="could not be parsed"):
+        CostModel.from_json("{not json")
+    with pytest.raises(ValueError, match="Not a serialised CostModel"):
+        CostModel.from_json(json.dumps({"form": "power"}))
+    bad = dict(data, version=99)
+    with pytest.raises(ValueError, match="version 99"):
+        CostModel.from_json(json.dumps(bad))
+    bad = dict(data, params={"a": 1.0, "b": -1.0, "p": 1.5}, form="power")
+    with pytest.raises(ValueError, match="b=-1.0"):
+        CostModel.from_json(json.dumps(bad))
+    bad = dict(data, params={"a": 1.0, "c1": 1.0}, form="quadratic")
+    with pytest.raises(ValueError, match="Expected exactly the parameters"):
+        CostModel.from_json(json.dumps(bad))
+    bad = dict(data, params={"a": 1.0, "b": 1.0, "p": 1.5}, form="cubic")
+    with pytest.raises(ValueError, match="form='cubic'"):
+        CostModel.from_json(json.dumps(bad))
+
+
+def test_nan_quality_round_trips_as_null():
+    cm = CostModel("power", {"a": 0.0, "b": 1.0, "p": 2.0}, {"heldout_median_rel_error": float("nan")})
+    text = cm.to_json()
+    assert "NaN" not in text
+    assert math.isnan(CostModel.from_json(text).quality["heldout_median_rel_error"])
+
+
+def test_zero_slope_rejected():
+    with pytest.raises(ValueError, match="does not grow"):
+        CostModel("quadratic", {"a": 1.0, "c1": 0.0, "c2": 0.0})
+
+
+def test_power_policy_has_exact_m_comp():
+    cm = CostModel("power", {"a": 0.01, "b": 2e-9, "p": 1.6})
+    budget = 0.02
+    policy = cm.policy(65520, step_budget=budget)
+    assert isinstance(policy, DualConstraintPolicy)
+    assert policy.m_mem == 65520
+    assert policy.p == 1.6
+    assert policy.m_comp == (budget - 0.01) / 2e-9
+    # B·S^p <= m_comp  <=>  predicted time <= budget, so every batch fits the budget.
+    s = np.array([1560, 6240, 32760])
+    bs = policy.batch_sizes(s)
+    assert bs.tolist() == [38, 4, 1]
+    # B = 1 is the floor even when one sample exceeds the budget (S = 32760 here).
+    assert np.all((cm.predict(bs, s) <= budget * (1 + 1e-12)) | (bs == 1))
+    assert np.all((cm.predict(bs + 1, s) > budget) | ((bs + 1) * s > 65520))
+
+
+def test_power_policy_default_budget_gives_b1_at_m_mem():
+    cm = CostModel("power", {"a": 0.01, "b": 2e-9, "p": 2.0})
+    policy = cm.policy(32760)
+    assert policy.m_comp == pytest.approx(32760.0**2, rel=1e-12)
+    assert policy.batch_size(32760) == 1
+
+
+def test_quadratic_policy_is_cost_model_policy():
+    cm = CostModel("quadratic", {"a": 0.005, "c1": 3e-7, "c2": 1e-11})
+    policy = cm.policy(65520, step_budget=0.2)
+    assert isinstance(policy, CostModelPolicy)
+    assert policy.cost_model is cm and policy.m_mem == 65520 and policy.step_budget == 0.2
+    s = np.array([1560, 32760])
+    bs = policy.batch_sizes(s)
+    assert np.all(cm.predict(bs, s) <= 0.2)
+    assert np.all((cm.predict(bs + 1, s) > 0.2) | ((bs + 1) * s > 65520))
+
+
+@pytest.mark.parametrize("m_mem, budget, match", [(0, None, "m_mem=0"), (1.5, None, "m_mem=1.5"),
+                                                   (100, 0.001, "overhead")])
+def test_policy_rejects_bad_inputs(m_mem, budget, match):
+    cm = CostModel("power", {"a": 0.01, "b": 2e-9, "p": 1.6})
+    with pytest.raises(ValueError, match=match):
+        cm.policy(m_mem, step_budget=budget)
+
+
+def test_memory_model_fit_and_budget():
+    b, s = _grid()
+    peak = 3e9 + 2e4 * b * s
+    mm = MemoryModel.fit(b, s, _noisy(peak, rel=0.001))
+    assert mm.m0 == pytest.approx(3e9, rel=0.01)
+    assert mm.m1 == pytest.approx(2e4, rel=0.01)
+    exact = MemoryModel.fit(b, s, peak)
+    assert exact.m0 == pytest.approx(3e9, rel=1e-9) and exact.m1 == pytest.approx(2e4, rel=1e-9)
+    mem = 80 * 2**30
+    assert exact.max_tokens(mem, margin=0.1) == math.floor((mem * 0.9 - exact.m0) / exact.m1)
+    # A shape that ran out of memory caps the budget below it.
+    assert exact.max_tokens(mem, margin=0.1, oom_tokens=[100_000, 50_000]) == 49_999
+    assert exact.predict(2, 10) == pytest.approx(3e9 + 2e4 * 20)
+
+
+def test_memory_model_degenerate():
+    with pytest.raises(ValueError, match="two distinct token counts"):
+        MemoryModel.fit([1, 2], [20, 10], [5.0, 5.0])
+    with pytest.raises(ValueError, match="does not grow"):
+        MemoryModel.fit([1, 2, 4], [10, 10, 10], [9.0, 5.0, 1.0])
+    mm = MemoryModel(1e9, 1e4)
+    with pytest.raises(ValueError, match="No token fits"):
+        mm.max_tokens(1e9, margin=0.1)
+    with pytest.raises(ValueError, match="margin=1.0"):
+        mm.max_tokens(1e10, margin=1.0)
+    assert MemoryModel.from_dict(mm.to_dict()) == mm
