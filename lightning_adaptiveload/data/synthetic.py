@@ -129,12 +129,19 @@ class SyntheticMixedDataset(Dataset):
         if not _is_int(seed) or seed < 0:
             raise ValueError(f"`{cls}(seed={seed!r})` is not valid. Expected an integer >= 0.")
         self.seed = int(seed)
+        for name, value in (("vae_stride", vae_stride), ("patch_size", patch_size)):
+            if len(value) != 3 or not all(_is_int(v) and v >= 1 for v in value):
+                raise ValueError(
+                    f"`{cls}({name}={tuple(value)!r})` is not valid. Expected three positive integers."
+                )
         self.vae_stride = tuple(int(v) for v in vae_stride)
         self.patch_size = tuple(int(v) for v in patch_size)
-        self.mixture = get_mixture(mixture) if isinstance(mixture, str) else [dict(e) for e in mixture]
+        if isinstance(mixture, str):
+            mixture = get_mixture(mixture)
         self._pixels, self._grids, self._weights = _validate_mixture(
-            self.mixture, self.vae_stride, self.patch_size
+            mixture, self.vae_stride, self.patch_size
         )
+        self.mixture = [dict(e) for e in mixture]
         self._component = self._draw_components()
 
     def _draw_components(self) -> np.ndarray:
