@@ -1,0 +1,490 @@
+"""Rank-aware, cost-balanced bucket batch sampler with exact mid-epoch resume.
+
+The epoch plan is a pure function of (shapes, policy, seed, epoch, num_replicas): every rank builds
+the same plan from arrays alone (no communication, no per-sample Python objects) and takes its
+column. A plan is a table ``steps[num_steps, num_replicas]`` of batch ids; a batch is a run of
+sample indices that share one token grid.
+
+Building a plan (all numpy, O(N) apart from one integer sort):
+
+1. shuffle the sample indices, then stable-sort them by bucket (identical token grid) so each
+   bucket's samples are contiguous and in random order;
+2. cut every bucket into batches of the size the policy gives its sequence length (the last batch
+   of a bucket may be smaller — no sample is dropped for not filling a batch);
+3. make the number of batches a multiple of ``num_replicas``: pad by repeating the batches with the
+   fewest samples (counted) or,
+   with ``drop_last``, drop the batches with the fewest samples (counted);
+4. arrange batches into global steps of ``num_replicas`` batches: ``balance="none"`` deals the
+   shuffled batches to ranks (the paper's behaviour); ``balance="cost"`` sorts batches by predicted
+   cost and takes consecutive runs, so the ranks of one step do nearly equal work, then shuffles
+   the order of the steps.
+
+Resume: the state records the epoch, the seed and, per world size the epoch has run under, the
+number of global steps taken. Loading it under another world size re-plans exactly the samples
+not yet seen (a new "segment" of the epoch); under the same world size it continues the same plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from torch.utils.data import Sampler
+
+from lightning_adaptiveload.bucketing.policy import BatchSizePolicy, CostPredictor
+
+_BALANCE_MODES = ("cost", "none")
+# Token-grid axes are packed into one int64 key (21 bits each) so bucketing is a 1-D np.unique
+# instead of a much slower row-wise unique over an [N, 3] array.
+_AXIS_BITS = 21
+_STATE_VERSION = 1
+
+
+@dataclass
+class _Plan:
+    """One epoch segment's plan. ``steps[s, r]`` is the batch id rank r runs at step s."""
+
+    order: np.ndarray  # sample indices, batch after batch
+    batch_start: np.ndarray  # offset of each batch in `order`
+    batch_len: np.ndarray  # samples per batch
+    batch_bucket: np.ndarray  # bucket id of each batch
+    batch_cost: np.ndarray  # predicted cost of each batch
+    steps: np.ndarray  # int64 [num_steps, num_replicas] batch ids (pads repeat ids)
+    padded_batches: int
+    padded_samples: int
+    dropped_batches: int
+    dropped_samples: int
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.steps.shape[0])
+
+    def samples_of(self, batch_ids: np.ndarray) -> np.ndarray:
+        """Sample indices of the given batches, concatenated (vectorised slice gather)."""
+        lens = self.batch_len[batch_ids]
+        total = int(lens.sum())
+        if total == 0:
+            return np.empty(0, dtype=np.int64)
+        shift = self.batch_start[batch_ids] - (np.cumsum(lens) - lens)
+        return self.order[np.repeat(shift, lens) + np.arange(total, dtype=np.int64)]
+
+
+def _pack_grids(grids: np.ndarray) -> np.ndarray:
+    return (grids[:, 0] << (2 * _AXIS_BITS)) | (grids[:, 1] << _AXIS_BITS) | grids[:, 2]
+
+
+def batch_costs(
+    batch_sizes: np.ndarray, seq_lens: np.ndarray, cost_model: CostPredictor | None, p: float
+) -> np.ndarray:
+    """Predicted cost per batch: ``cost_model.predict(B, S)`` if given, else ``B * S**p``."""
+    b = np.asarray(batch_sizes, dtype=np.int64)
+    s = np.asarray(seq_lens, dtype=np.int64)
+    if cost_model is not None:
+        return np.asarray(cost_model.predict(b, s), dtype=np.float64) * np.ones(b.shape)
+    return b * np.power(s.astype(np.float64), p)
+
+
+class AdaptiveBucketBatchSampler(Sampler[list[int]]):
+    """Yields this rank's batches (lists of dataset indices) of one epoch plan.
+
+    Samples batch together only with an identical token grid; the batch size of a grid comes from
+    ``policy``. Every rank yields the same number of batches, and across ranks every sample appears
+    exactly once per epoch apart from explicit, counted padding (``drop_last=False``) or counted
+    drops (``drop_last=True``). See :attr:`plan_stats`.
+
+    Args:
+        shapes: per-sample token grids (f, h, w) after patchify, int array-like ``[N, 3]``.
+        policy: a :class:`~lightning_adaptiveload.bucketing.policy.BatchSizePolicy`.
+        num_replicas: world size (number of ranks that each take one batch per step).
+        rank: this rank, ``0 <= rank < num_replicas``.
+        seed: base seed; the plan of epoch e uses ``(seed, epoch, segment)``.
+        shuffle: shuffle samples within buckets and the order of batches / steps.
+        drop_last: drop (and count) batches instead of padding with repeats to equalise ranks.
+        balance: ``"cost"`` (default): group batches of nearly equal predicted cost into each step;
+            ``"none"``: deal shuffled batches to ranks as they come.
+        cost_model: object with a vectorised ``predict(B, S)``; used by ``balance="cost"``. Without
+            one, the cost of a batch is ``B * S**p`` with ``p = policy.cost_exponent`` (2.0 by
+            default); a ``CostModelPolicy`` lends its own cost model.
+
+    Raises:
+        ValueError: bad arguments, an empty dataset, a grid that is not three positive integers, or
+            an oversize sample when the policy says ``oversize="error"``.
+
+    Example::
+
+        sampler = AdaptiveBucketBatchSampler(dataset.token_grids(), DualConstraintPolicy(65520, 1.0e8, 2),
+                                             num_replicas=world_size, rank=rank, seed=0)
+        loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_batch)
+    """
+
+    def __init__(
+        self,
+        shapes: Sequence[Sequence[int]] | np.ndarray,
+        policy: BatchSizePolicy,
+        *,
+        num_replicas: int = 1,
+        rank: int = 0,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        balance: str = "cost",
+        cost_model: CostPredictor | None = None,
+    ) -> None:
+        name = type(self).__name__
+        if not callable(getattr(policy, "batch_sizes", None)):
+            raise ValueError(f"`{name}(policy={policy!r})` is not valid. Expected a BatchSizePolicy.")
+        if not isinstance(num_replicas, (int, np.integer)) or num_replicas < 1:
+            raise ValueError(f"`{name}(num_replicas={num_replicas!r})` is not valid. Expected an integer >= 1.")
+        if not isinstance(rank, (int, np.integer)) or not 0 <= rank < num_replicas:
+            raise ValueError(
+                f"`{name}(rank={rank!r})` is not valid. Expected an integer in [0, num_replicas={num_replicas})."
+            )
+        if not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"`{name}(seed={seed!r})` is not valid. Expected a non-negative integer.")
+        if balance not in _BALANCE_MODES:
+            raise ValueError(f"`{name}(balance={balance!r})` is not valid. Expected one of {_BALANCE_MODES}.")
+        if cost_model is not None and not callable(getattr(cost_model, "predict", None)):
+            raise ValueError(
+                f"`{name}(cost_model={cost_model!r})` is not valid. Expected an object with `predict(B, S)`."
+            )
+        self.policy = policy
+        self.num_replicas = int(num_replicas)
+        self.rank = int(rank)
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+        self.drop_last = bool(drop_last)
+        self.balance = balance
+        self.cost_model = cost_model if cost_model is not None else getattr(policy, "cost_model", None)
+        self._index_shapes(shapes)
+
+        self.epoch = 0
+        self._segments: list[tuple[int, int]] = []  # closed segments: (num_replicas, steps taken)
+        self._offset = 0  # steps of the active plan taken before the current iteration
+        self._yielded = 0  # steps yielded by the current iteration (counts prefetch too)
+        self._finished = False  # the active plan was iterated to the end
+        self._cache: tuple[tuple, _Plan] | None = None
+
+    # ------------------------------------------------------------------ shapes and buckets
+    def _index_shapes(self, shapes: Sequence[Sequence[int]] | np.ndarray) -> None:
+        grids = np.asarray(shapes)
+        if grids.ndim != 2 or grids.shape[1] != 3 or grids.dtype.kind not in "iu":
+            raise ValueError(
+                f"`shapes` must be an integer array [N, 3] of token grids (f, h, w); got shape "
+                f"{grids.shape} and dtype {grids.dtype}."
+            )
+        if grids.shape[0] == 0:
+            raise ValueError("`shapes` is empty: the dataset has no samples to batch.")
+        grids = grids.astype(np.int64, copy=False)
+        bad = (grids < 1).any(axis=1) | (grids >= (1 << _AXIS_BITS)).any(axis=1)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(
+                f"Sample {i} has token grid {tuple(grids[i].tolist())}; expected three positive integers "
+                f"below {1 << _AXIS_BITS}. Check the dataset's `token_grids()`."
+            )
+        keys, inverse, counts = np.unique(_pack_grids(grids), return_inverse=True, return_counts=True)
+        mask = (1 << _AXIS_BITS) - 1
+        self.bucket_grids = np.stack(
+            [keys >> (2 * _AXIS_BITS), (keys >> _AXIS_BITS) & mask, keys & mask], axis=1
+        ).astype(np.int64)
+        self.bucket_counts = counts.astype(np.int64)
+        self.bucket_seq_lens = self.bucket_grids.prod(axis=1)
+        # uint16 bucket ids let numpy's stable argsort use radix sort (O(N)) in every epoch plan.
+        self._bucket_of = inverse.reshape(-1).astype(np.uint16 if len(keys) <= 1 << 16 else np.int32)
+        self.num_samples = int(grids.shape[0])
+        self._set_batch_sizes()
+
+    def _set_batch_sizes(self) -> None:
+        policy = self.policy
+        limit = getattr(policy, "max_seq_len", None)
+        over = (self.bucket_seq_lens > limit) if limit is not None else np.zeros(len(self.bucket_seq_lens), bool)
+        if over.any() and getattr(policy, "oversize", "error") == "error":
+            k = int(np.flatnonzero(over)[0])
+            i = int(np.flatnonzero(self._bucket_of == k)[0])
+            raise ValueError(
+                f"Sample {i} has token grid {tuple(self.bucket_grids[k].tolist())} (S={int(self.bucket_seq_lens[k])} "
+                f"tokens; {int(self.bucket_counts[over].sum())} samples in all are that large), above the memory "
+                f"budget {limit} of {policy!r}: it would run out of memory even alone. Raise `m_mem`, crop or "
+                "remove such samples, or build the policy with `oversize='skip'` to leave them out (counted)."
+            )
+        self.bucket_batch_sizes = np.asarray(policy.batch_sizes(self.bucket_seq_lens), dtype=np.int64)
+        self.bucket_batch_sizes[over] = 0
+        self.skipped_oversize = int(self.bucket_counts[over].sum())
+        self._cache = None
+
+    def set_policy(self, policy: BatchSizePolicy, cost_model: CostPredictor | None = None) -> None:
+        """Swap the policy (and optionally the cost model) and rebuild the plan.
+
+        Only valid between epochs: a mid-epoch resume state refers to the old policy's plan.
+        """
+        self.policy = policy
+        if cost_model is not None:
+            self.cost_model = cost_model
+        elif hasattr(policy, "cost_model"):
+            self.cost_model = policy.cost_model
+        self._set_batch_sizes()
+
+    def set_cost_model(self, cost_model: CostPredictor | None) -> None:
+        """Use ``cost_model`` for ``balance="cost"`` grouping and plan statistics."""
+        self.cost_model = cost_model
+        self._cache = None
+
+    # ------------------------------------------------------------------ planning
+    def _cost_exponent(self) -> float:
+        return float(getattr(self.policy, "cost_exponent", 2.0))
+
+    def _build_plan(self, base: np.ndarray | None, num_replicas: int, segment: int) -> _Plan:
+        """Plan the samples ``base`` (sorted indices; ``None``: every eligible sample)."""
+        rng = np.random.default_rng([self.seed, self.epoch, segment])
+        bs_of_bucket = self.bucket_batch_sizes
+        if base is None:
+            base = np.arange(self.num_samples, dtype=np.int64)
+            if self.skipped_oversize:
+                base = base[bs_of_bucket[self._bucket_of] > 0]
+        idx = rng.permutation(base) if self.shuffle else base
+        buckets = self._bucket_of[idx]
+        idx = idx[np.argsort(buckets, kind="stable")]
+        num_buckets = len(bs_of_bucket)
+        counts = np.bincount(buckets, minlength=num_buckets).astype(np.int64)
+        del buckets
+        bsz = np.maximum(bs_of_bucket, 1)
+        nb = -(-counts // bsz)
+        total = int(nb.sum())
+        batch_bucket = np.repeat(np.arange(num_buckets, dtype=np.int64), nb)
+        within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(nb) - nb, nb)
+        first = np.cumsum(counts) - counts
+        batch_start = first[batch_bucket] + within * bsz[batch_bucket]
+        batch_len = np.minimum(bsz[batch_bucket], counts[batch_bucket] - within * bsz[batch_bucket])
+        cost = batch_costs(batch_len, self.bucket_seq_lens[batch_bucket], self.cost_model, self._cost_exponent())
+
+        ids = np.arange(total, dtype=np.int64)
+        if self.shuffle:
+            ids = rng.permutation(ids)
+        rem = total % num_replicas
+        dropped_batches = dropped_samples = 0
+        if self.drop_last and rem:
+            # Drop the batches with the fewest samples: fewest samples lost for an even split.
+            drop = ids[np.argsort(batch_len[ids], kind="stable")[:rem]]
+            keep = np.ones(total, dtype=bool)
+            keep[drop] = False
+            ids = ids[keep[ids]]
+            dropped_batches, dropped_samples = rem, int(batch_len[drop].sum())
+            rem = 0
+        if self.balance == "cost":
+            # Sorting by cost makes every run of `num_replicas` consecutive batches nearly equal in
+            # predicted work; ties keep the shuffled order.
+            ids = ids[np.argsort(-cost[ids], kind="stable")]
+        padded_batches = padded_samples = 0
+        if rem:
+            # Pad with the batches of fewest samples (then cheapest): the fewest repeated samples.
+            fewest = np.lexsort((cost[ids], batch_len[ids]))
+            pad = ids[fewest[np.arange(num_replicas - rem) % len(ids)]]
+            ids = np.concatenate([ids, pad])
+            padded_batches, padded_samples = len(pad), int(batch_len[pad].sum())
+        steps = ids.reshape(-1, num_replicas)
+        if self.balance == "cost" and self.shuffle:
+            steps = steps[rng.permutation(steps.shape[0])]
+        return _Plan(idx, batch_start, batch_len, batch_bucket, cost, steps,
+                     padded_batches, padded_samples, dropped_batches, dropped_samples)
+
+    def _remaining_after(self, plan: _Plan, steps_taken: int) -> np.ndarray:
+        """Sorted indices planned after step ``steps_taken`` and not seen before it."""
+        rest = np.zeros(self.num_samples, dtype=bool)
+        rest[plan.samples_of(plan.steps[steps_taken:].reshape(-1))] = True
+        rest[plan.samples_of(plan.steps[:steps_taken].reshape(-1))] = False
+        return np.flatnonzero(rest)
+
+    def _active_plan(self) -> _Plan:
+        key = (self.epoch, tuple(self._segments), self.num_replicas, self.seed)
+        if self._cache is not None and self._cache[0] == key:
+            return self._cache[1]
+        base = None
+        for i, (w, k) in enumerate(self._segments):
+            base = self._remaining_after(self._build_plan(base, w, i), k)
+        plan = self._build_plan(base, self.num_replicas, len(self._segments))
+        self._cache = (key, plan)
+        return plan
+
+    # ------------------------------------------------------------------ sampler protocol
+    def set_epoch(self, epoch: int) -> None:
+        """Select epoch ``epoch``'s plan. Keeps a loaded resume state if it is for this epoch."""
+        if int(epoch) != self.epoch:
+            self.epoch = int(epoch)
+            self._reset_progress()
+
+    def _reset_progress(self) -> None:
+        self._segments, self._offset, self._yielded, self._finished = [], 0, 0, False
+
+    @property
+    def sampler(self) -> _EpochHook:
+        """Lightning calls ``set_epoch`` on ``loader.batch_sampler.sampler`` (not on the batch sampler)."""
+        return _EpochHook(self)
+
+    def __len__(self) -> int:
+        """Batches this rank yields in the current epoch, counting those taken before a resume.
+
+        Lightning's loop counters continue across a resume, so they need the epoch total.
+        """
+        return sum(k for _, k in self._segments) + self._active_plan().num_steps
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if self._finished:
+            self._reset_progress()
+        plan = self._active_plan()
+        start, self._yielded = self._offset, 0
+        column = plan.steps[:, self.rank]
+        for s in range(start, plan.num_steps):
+            b = int(column[s])
+            self._yielded += 1
+            lo = int(plan.batch_start[b])
+            yield plan.order[lo: lo + int(plan.batch_len[b])].tolist()
+        self._finished = True
+
+    # ------------------------------------------------------------------ state
+    def _fingerprint(self) -> str:
+        cm = self.cost_model
+        desc = {
+            "policy": self.policy.to_dict(), "balance": self.balance, "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "cost_model": cm.to_json() if callable(getattr(cm, "to_json", None)) else type(cm).__name__,
+        }
+        return hashlib.sha1(json.dumps(desc, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def state_dict(self, steps_taken: int | None = None) -> dict[str, Any]:
+        """Resume state.
+
+        Args:
+            steps_taken: global steps (= batches per rank) actually trained in this epoch,
+                counting those before earlier resumes — e.g. Lightning's
+                ``fit_loop.epoch_loop.batch_progress.current.processed``. Without it the sampler
+                counts what it has yielded, which runs ahead of training when DataLoader workers
+                prefetch.
+        """
+        plan = self._active_plan()
+        closed = sum(k for _, k in self._segments)
+        if steps_taken is None:
+            active = plan.num_steps if self._finished else self._offset + self._yielded
+        else:
+            active = int(steps_taken) - closed
+            if not 0 <= active <= plan.num_steps:
+                raise ValueError(
+                    f"`state_dict(steps_taken={steps_taken!r})` is not valid: this epoch has {closed} "
+                    f"steps before the current plan and {plan.num_steps} in it."
+                )
+        segments = [list(s) for s in self._segments] + [[self.num_replicas, active]]
+        return {"version": _STATE_VERSION, "epoch": self.epoch, "seed": self.seed, "segments": segments,
+                "num_samples": self.num_samples, "fingerprint": self._fingerprint()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`, possibly saved under a different ``num_replicas``.
+
+        Raises:
+            ValueError: the dataset size or the plan settings (policy, balance, shuffle, drop_last,
+                cost model) differ from those at save time, so the samples already seen cannot be
+                reconstructed.
+        """
+        n = state.get("num_samples", self.num_samples)
+        if n != self.num_samples:
+            raise ValueError(
+                f"The sampler state was saved for {n} samples but the dataset has {self.num_samples}. "
+                "Resume with the same dataset, or from an end-of-epoch checkpoint without the loader state."
+            )
+        fp = state.get("fingerprint")
+        if fp is not None and fp != self._fingerprint():
+            raise ValueError(
+                "The sampler state was saved with a different policy, balance, shuffle, drop_last or "
+                f"cost model than the current {self.policy!r} (balance={self.balance!r}); the samples "
+                "already seen this epoch cannot be reconstructed. Resume with the same settings."
+            )
+        segments = [(int(w), int(k)) for w, k in state.get("segments", [])]
+        self.epoch = int(state.get("epoch", self.epoch))
+        self.seed = int(state.get("seed", self.seed))
+        self._reset_progress()
+        if segments:
+            *closed, (w, k) = segments
+            if w == self.num_replicas:
+                self._segments, self._offset = closed, k
+            else:
+                # A segment that took no step consumed nothing: leave it out.
+                self._segments = closed + ([(w, k)] if k else [])
+        self._cache = None
+
+    # ------------------------------------------------------------------ reporting
+    @property
+    def plan_stats(self) -> dict[str, Any]:
+        """Statistics of the current plan (the remaining part of the epoch after a resume).
+
+        Keys: ``num_samples``, ``num_steps``, ``num_batches`` (real, per plan), ``padded_batches``,
+        ``padded_samples``, ``dropped_batches``, ``dropped_samples``, ``skipped_oversize``,
+        ``compute_cv`` (mean over steps of the CV of predicted per-rank cost), ``bubble``
+        (1 - sum of step means / sum of step maxima), ``balance``, ``num_replicas``.
+        """
+        from lightning_adaptiveload.bucketing.balance import summarize_step_loads
+
+        plan = self._active_plan()
+        loads = plan.batch_cost[plan.steps] if plan.num_steps else np.zeros((0, self.num_replicas))
+        summary = summarize_step_loads(loads)
+        return {
+            "num_samples": self.num_samples,
+            "num_steps": plan.num_steps,
+            "num_batches": int(len(plan.batch_len) - plan.dropped_batches),
+            "padded_batches": plan.padded_batches,
+            "padded_samples": plan.padded_samples,
+            "dropped_batches": plan.dropped_batches,
+            "dropped_samples": plan.dropped_samples,
+            "skipped_oversize": self.skipped_oversize,
+            "compute_cv": summary["compute_cv"],
+            "bubble": summary["bubble"],
+            "balance": self.balance,
+            "num_replicas": self.num_replicas,
+        }
+
+    def bucket_table(self) -> list[dict[str, Any]]:
+        """One row per distinct token grid: grid, S, samples, batch size (0: skipped), batches."""
+        bs = self.bucket_batch_sizes
+        nb = np.where(bs > 0, -(-self.bucket_counts // np.maximum(bs, 1)), 0)
+        return [
+            {"grid": tuple(int(v) for v in g), "seq_len": int(s), "samples": int(c), "batch_size": int(b),
+             "batches": int(n)}
+            for g, s, c, b, n in zip(self.bucket_grids, self.bucket_seq_lens, self.bucket_counts, bs, nb)
+        ]
+
+    def report(self) -> str:
+        """Human-readable plan summary (counts, padding/drops, predicted compute CV)."""
+        st = self.plan_stats
+        lines = [
+            f"{type(self).__name__}: {st['num_samples']} samples in {len(self.bucket_grids)} buckets, "
+            f"{st['num_steps']} steps x {st['num_replicas']} ranks (balance={st['balance']!r})",
+            f"  padded: {st['padded_batches']} batches / {st['padded_samples']} samples; dropped: "
+            f"{st['dropped_batches']} batches / {st['dropped_samples']} samples; skipped oversize: "
+            f"{st['skipped_oversize']} samples",
+            f"  predicted compute CV {st['compute_cv']:.2%}, bubble {st['bubble']:.2%}",
+        ]
+        if st["num_steps"] == 0:
+            lines.append("  WARNING: the plan has no steps (dataset smaller than one global batch with drop_last)")
+        return "\n".join(lines)
+
+    def warn_if_empty(self) -> None:
+        """Warn when this epoch yields no batch at all (tiny dataset with ``drop_last=True``)."""
+        if len(self) == 0:
+            warnings.warn(
+                f"{type(self).__name__} plans 0 steps for {self.num_samples} samples on {self.num_replicas} "
+                "ranks: every batch was dropped to keep ranks even. Use `drop_last=False` (pads with counted "
+                "repeats) or more data.",
+                stacklevel=2,
+            )
+
+
+class _EpochHook:
+    """Forwards ``set_epoch`` to the batch sampler (see :attr:`AdaptiveBucketBatchSampler.sampler`)."""
+
+    def __init__(self, batch_sampler: AdaptiveBucketBatchSampler) -> None:
+        self._batch_sampler = batch_sampler
+
+    def set_epoch(self, epoch: int) -> None:
+        self._batch_sampler.set_epoch(epoch)
