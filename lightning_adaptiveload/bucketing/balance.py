@@ -20,7 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from lightning_adaptiveload.bucketing.policy import BatchSizePolicy, CostPredictor, DualConstraintPolicy, EqualTokenPolicy
+from lightning_adaptiveload.bucketing.policy import (
+    BatchSizePolicy,
+    CostPredictor,
+    DualConstraintPolicy,
+    EqualTokenPolicy,
+)
 from lightning_adaptiveload.bucketing.shapes import PATCH_SIZE, VAE_STRIDE, pixel_token_grids
 
 # An H200-like full-model step-time model for a Wan 2.1 1.3B-like DiT, t = a + B·(c1·S + c2·S²)

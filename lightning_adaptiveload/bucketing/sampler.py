@@ -336,6 +336,13 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
         if self._finished:
             self._reset_progress()
         plan = self._active_plan()
+        if plan.num_steps == 0 and not self._segments:
+            warnings.warn(
+                f"{type(self).__name__} plans 0 steps for {self.num_samples} samples on {self.num_replicas} "
+                "ranks: every batch was dropped to keep ranks even. Use `drop_last=False` (pads with counted "
+                "repeats) or more data.",
+                stacklevel=2,
+            )
         start, self._yielded = self._offset, 0
         column = plan.steps[:, self.rank]
         for s in range(start, plan.num_steps):
@@ -451,7 +458,7 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
         return [
             {"grid": tuple(int(v) for v in g), "seq_len": int(s), "samples": int(c), "batch_size": int(b),
              "batches": int(n)}
-            for g, s, c, b, n in zip(self.bucket_grids, self.bucket_seq_lens, self.bucket_counts, bs, nb)
+            for g, s, c, b, n in zip(self.bucket_grids, self.bucket_seq_lens, self.bucket_counts, bs, nb, strict=True)
         ]
 
     def report(self) -> str:
@@ -468,16 +475,6 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
         if st["num_steps"] == 0:
             lines.append("  WARNING: the plan has no steps (dataset smaller than one global batch with drop_last)")
         return "\n".join(lines)
-
-    def warn_if_empty(self) -> None:
-        """Warn when this epoch yields no batch at all (tiny dataset with ``drop_last=True``)."""
-        if len(self) == 0:
-            warnings.warn(
-                f"{type(self).__name__} plans 0 steps for {self.num_samples} samples on {self.num_replicas} "
-                "ranks: every batch was dropped to keep ranks even. Use `drop_last=False` (pads with counted "
-                "repeats) or more data.",
-                stacklevel=2,
-            )
 
 
 class _EpochHook:

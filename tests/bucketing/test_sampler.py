@@ -1,0 +1,220 @@
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_adaptiveload.bucketing.policy import DualConstraintPolicy, EqualTokenPolicy
+from lightning_adaptiveload.bucketing.sampler import AdaptiveBucketBatchSampler
+
+GRIDS = np.array([(1, 2, 2), (1, 4, 4), (3, 2, 2), (5, 4, 6), (2, 3, 3), (9, 4, 4)])
+POLICY = DualConstraintPolicy(m_mem=256, m_comp=4096, p=2)
+
+
+def _shapes(seed, n):
+    rng = np.random.default_rng(seed)
+    return GRIDS[rng.integers(0, len(GRIDS), n)]
+
+
+def _epoch(shapes, world, **kw):
+    """All ranks' batches of one epoch: list over ranks of list of batches."""
+    return [list(AdaptiveBucketBatchSampler(shapes, POLICY, num_replicas=world, rank=r, **kw)) for r in range(world)]
+
+
+def _stats(shapes, world, **kw):
+    return AdaptiveBucketBatchSampler(shapes, POLICY, num_replicas=world, **kw).plan_stats
+
+
+dataset = st.tuples(st.integers(0, 10_000), st.integers(1, 300), st.integers(1, 64))
+
+
+@settings(max_examples=25, deadline=None)
+@given(dataset, st.sampled_from(["cost", "none"]), st.booleans())
+def test_plan_invariants(args, balance, drop_last):
+    seed, n, world = args
+    shapes = _shapes(seed, n)
+    per_rank = _epoch(shapes, world, seed=seed, balance=balance, drop_last=drop_last)
+    stats = _stats(shapes, world, seed=seed, balance=balance, drop_last=drop_last)
+    # equal batch counts on every rank, and len() agrees
+    counts = {len(b) for b in per_rank}
+    assert len(counts) == 1
+    assert counts.pop() == len(AdaptiveBucketBatchSampler(shapes, POLICY, num_replicas=world, balance=balance,
+                                                          drop_last=drop_last, seed=seed)) == stats["num_steps"]
+    seen = Counter(i for rank in per_rank for batch in rank for i in batch)
+    seq = shapes.prod(axis=1)
+    bs = POLICY.batch_sizes(seq)
+    for rank in per_rank:
+        for batch in rank:
+            # no batch mixes grids, none exceeds the policy's batch size
+            assert len({tuple(shapes[i]) for i in batch}) == 1
+            assert 1 <= len(batch) <= bs[batch[0]]
+    if drop_last:
+        assert max(seen.values(), default=1) == 1
+        assert stats["padded_samples"] == 0
+        assert n - len(seen) == stats["dropped_samples"]
+    else:
+        assert set(seen) == set(range(n))
+        assert sum(seen.values()) - n == stats["padded_samples"]
+        assert stats["dropped_samples"] == 0
+
+
+@settings(max_examples=10, deadline=None)
+@given(dataset, st.sampled_from(["cost", "none"]))
+def test_plan_is_deterministic_and_epoch_dependent(args, balance):
+    seed, n, world = args
+    shapes = _shapes(seed, n)
+    a = _epoch(shapes, world, seed=seed, balance=balance)
+    assert a == _epoch(shapes, world, seed=seed, balance=balance)
+    s = AdaptiveBucketBatchSampler(shapes, POLICY, num_replicas=world, seed=seed, balance=balance)
+    s.set_epoch(1)
+    if n > 20:
+        assert list(s) != a[0] or world > 1
+
+
+def _resume_run(shapes, worlds_and_stops, balance, drop_last=False):
+    """Run an epoch in segments: (world, steps to take) pairs, the last with None = to the end.
+
+    Returns the multiset of samples trained and the samples the uninterrupted plan would train."""
+    state = None
+    trained = Counter()
+    for world, stop in worlds_and_stops:
+        samplers = [AdaptiveBucketBatchSampler(shapes, POLICY, num_replicas=world, rank=r, seed=3, balance=balance,
+                                               drop_last=drop_last) for r in range(world)]
+        taken_before = 0
+        for s in samplers:
+            if state is not None:
+                s.load_state_dict(state)
+        taken_before = sum(k for _, k in state["segments"]) if state else 0
+        total = len(samplers[0])
+        assert all(len(s) == total for s in samplers)
+        iters = [iter(s) for s in samplers]
+        end = total if stop is None else min(total, taken_before + stop)
+        for _ in range(taken_before, end):
+            for it in iters:
+                trained.update(next(it))
+        if stop is None:
+            for it in iters:
+                assert next(it, None) is None
+        # prefetch: the sampler ran ahead, but the state uses the steps actually taken
+        for it in iters:
+            next(it, None)
+        state = samplers[0].state_dict(steps_taken=end)
+    return trained
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(0, 1000), st.integers(1, 200), st.integers(1, 16), st.integers(1, 16), st.integers(1, 16),
+       st.data(), st.sampled_from(["cost", "none"]))
+def test_resume_yields_exactly_the_remaining_samples(seed, n, w1, w2, w3, data, balance):
+    shapes = _shapes(seed, n)
+    full = AdaptiveBucketBatchSampler(shapes, POLICY, num_replicas=w1, seed=3, balance=balance)
+    k1 = data.draw(st.integers(0, len(full)))
+    k2 = data.draw(st.integers(0, 5))
+    trained = _resume_run(shapes, [(w1, k1), (w2, k2), (w3, None)], balance)
+    assert set(trained) == set(range(n))
+    stats_repeats = sum(trained.values()) - n
+    # repeats only come from the (counted) padding of each segment's plan: at most world-1 batches each
+    assert stats_repeats <= (w1 + w2 + w3) * int(POLICY.batch_sizes(shapes.prod(1)).max())
+
+
+def test_resume_at_every_step_same_world_reproduces_the_uninterrupted_epoch():
+    shapes = _shapes(7, 120)
+    for world in (1, 3):
+        ref = [list(AdaptiveBucketBatchSampler(shapes, POLICY, num_replicas=world, rank=r, seed=5)) for r in range(world)]
+        for k in range(len(ref[0]) + 1):
+            state = AdaptiveBucketBatchSampler(shapes, POLICY, num_replicas=world, seed=5).state_dict(steps_taken=k)
+            for r in range(world):
+                s = AdaptiveBucketBatchSampler(shapes, POLICY, num_replicas=world, rank=r, seed=5)
+                s.load_state_dict(state)
+                assert list(s) == ref[r][k:]
+                assert len(s) == len(ref[r])
+
+
+def test_resume_at_every_step_other_world_size():
+    shapes = _shapes(11, 90)
+    ref = AdaptiveBucketBatchSampler(shapes, POLICY, num_replicas=2, seed=1)
+    ref_batches = [list(AdaptiveBucketBatchSampler(shapes, POLICY, num_replicas=2, rank=r, seed=1)) for r in range(2)]
+    for k in range(len(ref) + 1):
+        seen = Counter(i for r in range(2) for b in ref_batches[r][:k] for i in b)
+        state = ref.state_dict(steps_taken=k)
+        rest = Counter()
+        lens = set()
+        for r in range(5):
+            s = AdaptiveBucketBatchSampler(shapes, POLICY, num_replicas=5, rank=r, seed=1)
+            s.load_state_dict(state)
+            batches = list(s)
+            lens.add(len(batches))
+            rest.update(i for b in batches for i in b)
+            assert len(s) == k + len(batches)
+        assert len(lens) == 1
+        assert set(rest) == set(range(90)) - set(seen)
+
+
+def test_state_dict_without_steps_counts_yielded_batches_and_epoch_end():
+    shapes = _shapes(0, 50)
+    s = AdaptiveBucketBatchSampler(shapes, POLICY, seed=0)
+    it = iter(s)
+    next(it), next(it)
+    assert s.state_dict()["segments"] == [[1, 2]]
+    list(it)
+    assert s.state_dict()["segments"] == [[1, len(s)]]
+    # a finished epoch iterates in full again
+    assert len(list(s)) == len(s)
+    s.set_epoch(1)
+    assert s.state_dict()["segments"] == [[1, 0]]
+
+
+def test_load_state_rejects_changed_dataset_or_policy():
+    shapes = _shapes(0, 50)
+    state = AdaptiveBucketBatchSampler(shapes, POLICY).state_dict(steps_taken=1)
+    with pytest.raises(ValueError, match="saved for 50 samples but the dataset has 49"):
+        AdaptiveBucketBatchSampler(shapes[:49], POLICY).load_state_dict(state)
+    with pytest.raises(ValueError, match="different policy"):
+        AdaptiveBucketBatchSampler(shapes, EqualTokenPolicy(256)).load_state_dict(state)
+
+
+def test_cost_balance_beats_none_on_predicted_cv():
+    shapes = _shapes(2, 3000)
+    cost = AdaptiveBucketBatchSampler(shapes, POLICY, num_replicas=8, balance="cost").plan_stats
+    none = AdaptiveBucketBatchSampler(shapes, POLICY, num_replicas=8, balance="none").plan_stats
+    assert cost["compute_cv"] < 0.05 < none["compute_cv"]
+
+
+def test_oversize_error_names_sample_and_skip_counts():
+    shapes = np.array([(1, 2, 2), (9, 9, 9), (1, 2, 2)])
+    with pytest.raises(ValueError, match=r"Sample 1 has token grid \(9, 9, 9\).*oversize='skip'"):
+        AdaptiveBucketBatchSampler(shapes, DualConstraintPolicy(64, 1e4, 2))
+    s = AdaptiveBucketBatchSampler(shapes, DualConstraintPolicy(64, 1e4, 2, oversize="skip"))
+    assert sorted(i for b in s for i in b) == [0, 2]
+    assert s.plan_stats["skipped_oversize"] == 1
+    assert "skipped oversize: 1" in s.report()
+
+
+def test_bad_arguments():
+    shapes = _shapes(0, 10)
+    with pytest.raises(ValueError, match="rank=4"):
+        AdaptiveBucketBatchSampler(shapes, POLICY, num_replicas=4, rank=4)
+    with pytest.raises(ValueError, match="balance='greedy'"):
+        AdaptiveBucketBatchSampler(shapes, POLICY, balance="greedy")
+    with pytest.raises(ValueError, match="empty"):
+        AdaptiveBucketBatchSampler(np.zeros((0, 3), dtype=np.int64), POLICY)
+    with pytest.raises(ValueError, match=r"Sample 1 has token grid \(0, 2, 2\)"):
+        AdaptiveBucketBatchSampler(np.array([(1, 2, 2), (0, 2, 2)]), POLICY)
+
+
+def test_tiny_dataset_pads_instead_of_zero_batches():
+    shapes = np.array([(1, 2, 2)])
+    per_rank = _epoch(shapes, 4)
+    assert per_rank == [[[0]]] * 4
+    with pytest.warns(UserWarning, match="0 steps"):
+        assert list(AdaptiveBucketBatchSampler(shapes, POLICY, num_replicas=4, drop_last=True)) == []
+
+
+def test_bucket_table():
+    shapes = np.array([(1, 2, 2)] * 5 + [(5, 4, 6)] * 3)
+    table = AdaptiveBucketBatchSampler(shapes, POLICY).bucket_table()
+    assert table == [
+        {"grid": (1, 2, 2), "seq_len": 4, "samples": 5, "batch_size": 64, "batches": 1},
+        {"grid": (5, 4, 6), "seq_len": 120, "samples": 3, "batch_size": 1, "batches": 3},
+    ]
