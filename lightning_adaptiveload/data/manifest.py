@@ -117,29 +117,30 @@ def _check_triple(cls: str, name: str, value: Sequence[int]) -> tuple[int, int, 
 
 # ----------------------------------------------------------------------------------------- reading
 def _read_jsonl_python(path: Path) -> tuple[dict[str, list], int, dict[int, str]]:
-    """Slow, forgiving JSONL reader for files pyarrow rejects (mixed types, broken lines).
+    """Slower, forgiving JSONL reader for files pyarrow rejects (mixed types, broken lines).
 
-    Returns columns as lists, the row count and messages for rows that are not JSON objects.
+    Returns the manifest's columns as lists, the row count and messages for rows that are not
+    JSON objects (blank lines are not rows).
     """
-    columns: dict[str, list] = {}
+    records: list[dict] = []
     malformed: dict[int, str] = {}
-    row = 0
     with open(path, encoding="utf-8") as fh:
         for line in fh:
-            if not line.strip():
+            if not line or line.isspace():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                record, malformed[row] = {}, f"not valid JSON ({err.msg} at column {err.colno})"
+                record, malformed[len(records)] = {}, f"not valid JSON ({err.msg} at column {err.colno})"
             if not isinstance(record, dict):
-                record, malformed[row] = {}, f"not a JSON object ({type(record).__name__})"
-            for key in record.keys() - columns.keys():
-                columns[key] = [None] * row
-            for key, values in columns.items():
-                values.append(record.get(key))
-            row += 1
-    return columns, row, malformed
+                record, malformed[len(records)] = {}, f"not a JSON object ({type(record).__name__})"
+            records.append(record)
+    columns = {
+        key: [r.get(key) for r in records]
+        for key in (*REQUIRED_COLUMNS, *OPTIONAL_COLUMNS)
+        if any(key in r for r in records)
+    }
+    return columns, len(records), malformed
 
 
 def _read_columns(path: Path) -> tuple[dict[str, Any], int, dict[int, str]]:
@@ -211,8 +212,14 @@ def _python_int(value: Any) -> tuple[int, int]:
 def _int_column(column: Any) -> tuple[np.ndarray, np.ndarray]:
     """A dimension column → (int64 values, status: _OK / _MISSING / _NOT_INT), vectorised for arrow."""
     if isinstance(column, list):
-        pairs = [_python_int(v) for v in column]
-        return np.array([p[0] for p in pairs], dtype=np.int64), np.array([p[1] for p in pairs], dtype=np.int8)
+        try:
+            column = pa.array(column)
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            # Mixed types (e.g. 480 and "abc"): only this column pays for a per-value parse.
+            pairs = [_python_int(v) for v in column]
+            return np.array([p[0] for p in pairs], dtype=np.int64), np.array(
+                [p[1] for p in pairs], dtype=np.int8
+            )
     null = column.is_null().to_numpy(zero_copy_only=False)
     kind = column.type
     if pa.types.is_integer(kind):
