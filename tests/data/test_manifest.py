@@ -169,7 +169,8 @@ def test_mixed_type_and_broken_jsonl_rows_are_named(tmp_path):
 
 def test_skip_counts_several_reasons_once_per_row(tmp_path):
     rows = [row("a.pt", height=-1, width="x"), row("b.gif", num_frames=0), row("c.safetensors")]
-    grids, report = read_manifest_shapes(write_manifest(tmp_path, rows), on_bad_row="skip")
+    with pytest.warns(UserWarning, match="Skipped 2 of 3 rows"):
+        grids, report = read_manifest_shapes(write_manifest(tmp_path, rows), on_bad_row="skip")
     assert grids.tolist() == [[1, 4, 4]]
     assert report.skipped == {"bad num_frames": 1, "bad height": 1}
     assert report.examples == [
