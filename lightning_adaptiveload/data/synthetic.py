@@ -162,6 +162,10 @@ class SyntheticMixedDataset(Dataset):
         """Per-sample token grid (f, h, w) after VAE + patchify, int64 ``[N, 3]`` (a new array)."""
         return self._grids[self._component]
 
+    def pixel_shapes(self) -> np.ndarray:
+        """Per-sample pixel shape (num_frames, height, width) drawn from the mixture, int64 ``[N, 3]``."""
+        return self._pixels[self._component]
+
     def latent_grid(self, index: int) -> tuple[int, int, int]:
         """Latent (frames, height, width) of sample ``index``: its token grid times the patch."""
         f, h, w = self._grids[self._component[index]]

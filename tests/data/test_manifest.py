@@ -422,3 +422,30 @@ def test_constructor_argument_errors(tmp_path):
     ds = ManifestDataset(path, check_files=False)
     with pytest.raises(IndexError):
         ds[1]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_make_latent_manifest_script_round_trip(tmp_path, fmt):
+    import importlib.util
+    from pathlib import Path
+
+    from lightning_adaptiveload.data.synthetic import SyntheticMixedDataset
+
+    script = Path(__file__).parents[2] / "examples" / "make_latent_manifest.py"
+    spec = importlib.util.spec_from_file_location("make_latent_manifest", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "out"
+    manifest = module.main(["--out", str(out), "--num-samples", "12", "--seed", "5", "--format", fmt])
+    assert manifest == out / f"manifest.{fmt}"
+    ds = ManifestDataset(manifest, text_len=16, text_dim=32)
+    ref = SyntheticMixedDataset(12, "tiny", text_len=16, text_dim=32, seed=5)
+    np.testing.assert_array_equal(ds.token_grids(), ref.token_grids())
+    for i in (0, 7, 11):
+        item, expected = ds[i], ref[i]
+        torch.testing.assert_close(item["latents"], expected["latents"], rtol=0, atol=0)
+        length = int((item["context"].abs().sum(dim=1) > 0).sum())
+        torch.testing.assert_close(item["context"][:length], expected["context"][:length], rtol=0, atol=0)
+        assert item["context"][length:].eq(0).all()
+    with pytest.raises(SystemExit, match="--overwrite"):
+        module.main(["--out", str(out), "--format", fmt])

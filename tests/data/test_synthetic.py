@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_adaptiveload.bucketing.shapes import pixel_token_grid
+from lightning_adaptiveload.bucketing.shapes import pixel_token_grid, pixel_token_grids
 from lightning_adaptiveload.data.collate import collate_batch
 from lightning_adaptiveload.data.mixtures import MIXTURES, get_mixture
 from lightning_adaptiveload.data.synthetic import SyntheticMixedDataset
@@ -80,6 +80,9 @@ def test_draw_follows_weights_and_never_picks_zero_weight():
         sigma = (p * (1 - p) / n) ** 0.5
         assert abs(row["fraction"] - p) < 5 * sigma
     grids = ds.token_grids()
+    np.testing.assert_array_equal(
+        grids, pixel_token_grids(*ds.pixel_shapes().T, vae_stride=ds.vae_stride, patch_size=ds.patch_size)
+    )
     assert (grids == (1, 4, 4)).all(axis=1).sum() == rows[0]["count"]
     assert (grids == (5, 4, 4)).all(axis=1).sum() == rows[2]["count"]
 
