@@ -449,3 +449,19 @@ def test_make_latent_manifest_script_round_trip(tmp_path, fmt):
         assert item["context"][length:].eq(0).all()
     with pytest.raises(SystemExit, match="--overwrite"):
         module.main(["--out", str(out), "--format", fmt])
+
+
+def test_dataset_pickles_for_dataloader_workers(tmp_path):
+    import pickle
+
+    from PIL import Image
+
+    save_latents(tmp_path / "a.safetensors", (16, 1, 8, 8))
+    Image.fromarray(np.full((64, 64, 3), 100, dtype=np.uint8)).save(tmp_path / "b.png")
+    with pytest.warns(UserWarning, match="PatchPoolEncoder"):
+        ds = ManifestDataset(write_manifest(tmp_path, [row("a.safetensors"), row("b.png")]), **TEXT)
+    clone = pickle.loads(pickle.dumps(ds))
+    for i in range(2):
+        torch.testing.assert_close(clone[i]["latents"], ds[i]["latents"], rtol=0, atol=0)
+    loader = torch.utils.data.DataLoader(ds, batch_size=1, num_workers=1, collate_fn=collate_batch)
+    assert [b["index"].tolist() for b in loader] == [[0], [1]]
