@@ -81,7 +81,6 @@ def _resume_run(shapes, worlds_and_stops, balance, drop_last=False):
     for world, stop in worlds_and_stops:
         samplers = [AdaptiveBucketBatchSampler(shapes, POLICY, num_replicas=world, rank=r, seed=3, balance=balance,
                                                drop_last=drop_last) for r in range(world)]
-        taken_before = 0
         for s in samplers:
             if state is not None:
                 s.load_state_dict(state)
