@@ -1,0 +1,88 @@
+"""Training entry point: ``train(cfg)`` does the work, ``main()`` is the Hydra wrapper.
+
+``adaptiveload-train`` with no arguments runs the CPU quickstart; any config group can be
+overridden from the command line, e.g.
+``adaptiveload-train model=wan2_1_1_3b trainer=gpu strategy=fsdp trainer.devices=8``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import hydra
+import lightning.pytorch as pl
+from hydra.utils import instantiate
+from lightning.pytorch.utilities import rank_zero_info
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_adaptiveload.reporting import print_bucket_plan
+
+CONFIG_PACKAGE = "pkg://lightning_adaptiveload.conf"
+
+
+def _instantiate_dataset(cfg: DictConfig, module: pl.LightningModule) -> Any:
+    """Build the dataset; text length/dim left ``null`` in the data config are taken from the model."""
+    overrides: dict[str, Any] = {}
+    model_config = getattr(module, "config", None)
+    for key in ("text_len", "text_dim"):
+        if key in cfg and cfg[key] is None:
+            if model_config is None:
+                raise ValueError(f"`data.dataset.{key}` is null but the model has no `config.{key}`; set it.")
+            overrides[key] = getattr(model_config, key)
+    return instantiate(cfg, **overrides)
+
+
+def _instantiate_callbacks(cfg: DictConfig | None) -> list[pl.Callback]:
+    callbacks: list[pl.Callback] = []
+    for name, cb_cfg in (cfg or {}).items():
+        if cb_cfg is None:
+            continue  # `~callbacks.<name>` or `callbacks.<name>=null` removes one
+        if not isinstance(cb_cfg, DictConfig) or "_target_" not in cb_cfg:
+            raise ValueError(f"`callbacks.{name}` must be a config with a `_target_`, got {cb_cfg!r}.")
+        callbacks.append(instantiate(cb_cfg))
+    return callbacks
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Compose model, data, bucketing policy, callbacks, logger, strategy and Trainer, then fit.
+
+    Returns:
+        The Trainer's final callback metrics as floats.
+    """
+    if cfg.get("seed") is not None:
+        pl.seed_everything(cfg.seed, workers=True)
+
+    module = instantiate(cfg.model)
+    dataset = _instantiate_dataset(cfg.data.dataset, module)
+    policy = instantiate(cfg.bucketing.policy)
+    datamodule = instantiate(
+        cfg.data.datamodule,
+        dataset=dataset,
+        policy=policy,
+        balance=cfg.bucketing.balance,
+        seed=cfg.get("seed") or 0,
+    )
+    callbacks = _instantiate_callbacks(cfg.get("callbacks"))
+    logger = instantiate(cfg.logger) if cfg.get("logger") else False
+    strategy = instantiate(cfg.strategy)
+    trainer: pl.Trainer = instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks, logger=logger)
+
+    if cfg.get("print_plan", True):
+        # The plan before any shape benchmark; ShapeBenchmarkCallback prints the re-fitted one.
+        print_bucket_plan(datamodule, world_size=trainer.world_size)
+
+    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+    rank_zero_info(f"Final metrics: {metrics}")
+    return metrics
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_PACKAGE, config_name="train")
+def main(cfg: DictConfig) -> None:
+    """Console script ``adaptiveload-train``."""
+    OmegaConf.resolve(cfg)
+    train(cfg)
+
+
+if __name__ == "__main__":
+    main()

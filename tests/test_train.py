@@ -1,0 +1,160 @@
+"""Hydra configs compose and instantiate; the quickstart and the console script run end to end."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hydra import compose, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
+from hydra.utils import instantiate
+from omegaconf import open_dict
+
+import lightning_adaptiveload
+from lightning_adaptiveload.costmodel import CostModel
+from lightning_adaptiveload.factories import cost_model_policy
+from lightning_adaptiveload.train import train
+
+CONF_DIR = Path(lightning_adaptiveload.__file__).parent.parent / "conf"
+GROUPS = ["model", "data", "bucketing", "strategy", "trainer", "callbacks", "logger", "experiment"]
+
+
+def _choices(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def _compose(overrides: list[str], tmp_path: Path):
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="lightning_adaptiveload.conf", version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.output_dir = str(tmp_path)
+        cfg.hydra.runtime.output_dir = str(tmp_path)
+        if cfg.callbacks and "shape_benchmark" in cfg.callbacks:
+            cfg.callbacks.shape_benchmark.cache_dir = str(tmp_path / "cache")
+            cfg.callbacks.shape_benchmark.save_dir = str(tmp_path)
+    return cfg
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_every_group_has_choices(group):
+    assert _choices(group), f"conf/{group}/ has no choices"
+
+
+@pytest.mark.parametrize(
+    ("group", "choice"), [(g, c) for g in GROUPS if g != "experiment" for c in _choices(g)]
+)
+def test_every_choice_composes_and_instantiates(group, choice, tmp_path):
+    overrides = [f"{group}={choice}"]
+    if choice == "manifest":
+        overrides.append("data.dataset.path=/nonexistent.jsonl")
+    if choice == "cost_model":
+        b, sl = np.meshgrid([1, 2, 4, 8], [16, 64, 120])
+        t = 1e-3 + b * (2e-5 * sl + 3e-8 * sl**2)
+        cm = CostModel.fit(b.ravel(), sl.ravel(), t.ravel(), form="quadratic")
+        (tmp_path / "cm.json").write_text(cm.to_json())
+        overrides.append(f"bucketing.policy.cost_model_path={tmp_path / 'cm.json'}")
+    cfg = _compose(overrides, tmp_path)
+    node = cfg[group]
+    if group == "data":
+        assert node.dataset._target_ and node.datamodule._target_
+        if choice != "manifest":  # the manifest file does not exist; its errors are tested in tests/data
+            instantiate(node.dataset, text_len=16, text_dim=32)
+    elif group == "bucketing":
+        policy = instantiate(node.policy)
+        assert policy.batch_size(16) >= 1
+        if choice == "cost_model":  # null step budget: the longest S (= m_mem) runs at B = 1
+            assert policy.batch_size(node.policy.m_mem) == 1
+        assert node.balance in ("cost", "none")
+    elif group == "callbacks":
+        for cb in (node or {}).values():
+            instantiate(cb)
+    elif group == "logger":
+        if node:
+            instantiate(node)
+    elif group == "trainer":
+        with open_dict(node):
+            node.accelerator = "cpu"
+            node.devices = 1
+            node.precision = "32-true"
+        trainer = instantiate(node, logger=False, enable_checkpointing=False)
+        assert trainer._accelerator_connector.use_distributed_sampler is False
+    elif group == "strategy":
+        instantiate(node)
+    else:
+        module = instantiate(node)
+        assert module is not None
+
+
+def test_cost_model_policy_names_a_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="cost_model_path"):
+        cost_model_policy(tmp_path / "missing.json", m_mem=2048)
+
+
+@pytest.mark.parametrize("experiment", _choices("experiment"))
+def test_experiments_compose(experiment, tmp_path):
+    cfg = _compose([f"experiment={experiment}"], tmp_path)
+    assert cfg.strategy._target_.endswith("fsdp_strategy")
+    assert "shape_benchmark" in cfg.callbacks and "fused_adaln" in cfg.callbacks
+    assert cfg.trainer.use_distributed_sampler is False
+
+
+def test_experiments_run_on_cpu_with_a_tiny_model(tmp_path):
+    # The recipes' wiring (shape benchmark -> policy -> sampler, fused AdaLN fallback) on CPU.
+    cfg = _compose(
+        [
+            "experiment=wan2_1_1_3b_480p",
+            "model=tiny",
+            "data=synthetic_tiny",
+            "strategy=auto",
+            "trainer=cpu",
+            "++trainer.fast_dev_run=2",
+            "callbacks.shape_benchmark.max_shapes=2",
+            "callbacks.shape_benchmark.batch_sizes=[1,2]",
+            "callbacks.shape_benchmark.repeats=1",
+            "callbacks.shape_benchmark.warmup=0",
+            "callbacks.shape_benchmark.m_mem=4096",
+        ],
+        tmp_path,
+    )
+    metrics = train(cfg)
+    assert "train/loss" in metrics
+
+
+def test_quickstart_fast_dev_run(tmp_path):
+    cfg = _compose(["++trainer.fast_dev_run=true"], tmp_path)
+    metrics = train(cfg)
+    assert metrics["train/loss"] > 0
+
+
+def test_bad_override_gives_hydra_error():
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="lightning_adaptiveload.conf", version_base="1.3"):
+        with pytest.raises(Exception, match="model"):
+            compose(config_name="train", overrides=["model=does_not_exist"])
+
+
+def test_console_script_runs(tmp_path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_adaptiveload.train",
+            "++trainer.max_steps=3",
+            "trainer.enable_progress_bar=false",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "Bucket plan" in out
+    assert "Balance report" in out
