@@ -1,1 +1,663 @@
-//x
+// Fused AdaLN forward and backward kernels (see adaln.h for the launcher API).
+//
+// Forward: one CTA row-group per launch slot, each row of x read once into registers with 16-byte
+// loads, mean and variance reduced with warp shuffles (plus a shared-memory step across warps when
+// a row spans several), modulation applied while y is written. Only mean and rstd (fp32) are kept.
+//
+// Backward: each CTA owns a strip of rows of one sample. Every thread stays on the same features
+// for the whole strip, so the column sums accumulate in registers down the strip and warps read
+// consecutive features (coalesced). dx is finished in the same pass. Each CTA then writes one fp32
+// partial per feature, and a second small kernel adds the partials in a fixed order: deterministic,
+// no atomics, and never an [N, D] intermediate for per-sample modulation.
+//
+// Two accumulators per feature cover every case. Per-sample modulation sums A = sum_n dy * x̂ and
+// H = sum_n dy for each sample b; then dshift_b = H_b, dscale_b = w * A_b + bias * H_b,
+// dweight = sum_b (1 + scale_b) * A_b and dbias = sum_b (1 + scale_b) * H_b (the affine terms need
+// no accumulators of their own). Per-token modulation writes dscale = dy * (x̂ w + bias) per element
+// and, with an affine, sums dweight/dbias partials directly.
+
+#include "adaln.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace {
+
+constexpr int kWarp = 32;
+// Values each thread holds for one row: the forward keeps x (32 values); the backward keeps x̂, the
+// gradient, two accumulators and two prefetched rows per value, so it holds 8 for D <= 4096 and 24
+// above. Each backward variant caps its CTA size so that the compiler keeps all of them in
+// registers (512 threads -> 128 registers, 256 -> 255) instead of spilling.
+constexpr int kFwdValues = 32;
+constexpr int kBwdSmallValues = 8;
+constexpr int kBwdSmallThreads = 512;
+constexpr int kBwdLargeValues = 24;
+constexpr int kBwdLargeThreads = 256;
+// Unaligned rows (D not a multiple of the vector width) take a scalar path with 4 values a thread.
+constexpr int kBwdScalarValues = 4;
+constexpr int kBwdScalarThreads = 1024;
+constexpr int kBwdMaxThreads = kBwdScalarThreads;
+
+constexpr int bwd_threads(int values) {
+  return values == kBwdSmallValues ? kBwdSmallThreads
+                                   : (values == kBwdLargeValues ? kBwdLargeThreads : kBwdScalarThreads);
+}
+// Forward CTAs pack several short rows so that a CTA has at least this many threads.
+constexpr int kFwdCtaThreads = 256;
+constexpr int kFwdMaxRows = kFwdCtaThreads / kWarp;
+// Final reduction of the per-CTA partials: 32 features x 8 slices of partials per CTA.
+constexpr int kRedCols = 32;
+constexpr int kRedSlices = 8;
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+
+// VEC consecutive elements moved as one access (or as 16-byte chunks when wider than 16 bytes).
+template <typename T, int VEC>
+struct Pack {
+  static constexpr int kBytes = static_cast<int>(sizeof(T)) * VEC;
+  static constexpr int kAlign = kBytes < 16 ? kBytes : 16;
+  alignas(kAlign) T v[VEC];
+};
+
+template <typename T, int VEC>
+__device__ __forceinline__ Pack<T, VEC> load_pack(const T* __restrict__ p) {
+  Pack<T, VEC> r;
+  if constexpr (Pack<T, VEC>::kBytes >= 16) {
+#pragma unroll
+    for (int c = 0; c < Pack<T, VEC>::kBytes / 16; ++c) {
+      reinterpret_cast<uint4*>(r.v)[c] = reinterpret_cast<const uint4*>(p)[c];
+    }
+  } else {
+    r = *reinterpret_cast<const Pack<T, VEC>*>(p);
+  }
+  return r;
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void load_floats(const T* __restrict__ p, float (&out)[VEC]) {
+  const Pack<T, VEC> r = load_pack<T, VEC>(p);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) out[j] = to_float(r.v[j]);
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_floats(T* __restrict__ p, const float (&in)[VEC]) {
+  Pack<T, VEC> r;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) r.v[j] = from_float<T>(in[j]);
+  if constexpr (Pack<T, VEC>::kBytes >= 16) {
+#pragma unroll
+    for (int c = 0; c < Pack<T, VEC>::kBytes / 16; ++c) {
+      reinterpret_cast<uint4*>(p)[c] = reinterpret_cast<const uint4*>(r.v)[c];
+    }
+  } else {
+    *reinterpret_cast<Pack<T, VEC>*>(p) = r;
+  }
+}
+
+// Butterfly sums: every lane ends with the same bits (each step adds the same two operands).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Sum over the blockDim.x threads of one row; `slots` holds one value per warp of that row. Every
+// thread of the CTA must call it (it may synchronise). Fixed order, so deterministic.
+__device__ __forceinline__ float row_sum(float v, float* slots) {
+  v = warp_sum(v);
+  const int warps = blockDim.x / kWarp;
+  if (warps == 1) return v;
+  if ((threadIdx.x & (kWarp - 1)) == 0) slots[threadIdx.x / kWarp] = v;
+  __syncthreads();
+  float total = 0.f;
+  for (int w = 0; w < warps; ++w) total += slots[w];
+  return total;
+}
+
+__device__ __forceinline__ float2 row_sum2(float2 v, float2* slots) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o >>= 1) {
+    v.x += __shfl_xor_sync(0xffffffffu, v.x, o);
+    v.y += __shfl_xor_sync(0xffffffffu, v.y, o);
+  }
+  const int warps = blockDim.x / kWarp;
+  if (warps == 1) return v;
+  if ((threadIdx.x & (kWarp - 1)) == 0) slots[threadIdx.x / kWarp] = v;
+  __syncthreads();
+  float2 total = make_float2(0.f, 0.f);
+  for (int w = 0; w < warps; ++w) {
+    total.x += slots[w].x;
+    total.y += slots[w].y;
+  }
+  return total;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Forward. Block (tpr, rows): thread x covers features (i * tpr + x) * VEC + [0, VEC) for i < NV.
+template <typename TX, typename TM, typename TO, int VEC>
+__global__ void adaln_fwd_kernel(const AdalnFwdParams p) {
+  constexpr int NV = kFwdValues / VEC;
+  __shared__ float slots[2][kFwdMaxRows][kWarp];
+  const int tid = threadIdx.x;
+  const int tpr = blockDim.x;
+  const int D = static_cast<int>(p.D);
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  const bool valid = row < p.B * p.N;
+  const int64_t b = valid ? row / p.N : 0;
+  const int64_t n = valid ? row - b * p.N : 0;
+  const TX* x = static_cast<const TX*>(p.x) + b * p.x_sb + n * p.x_sn;
+
+  float v[NV][VEC];
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int col = (i * tpr + tid) * VEC;
+    if (valid && col < D) {
+      load_floats<TX, VEC>(x + col, v[i]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) v[i][j] = 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) sum += v[i][j];
+  }
+  const float inv_d = 1.f / static_cast<float>(D);
+  const float mean = row_sum(sum, slots[0][threadIdx.y]) * inv_d;
+  // Second pass over registers (not memory): exact centred variance, no E[x^2] - mean^2 cancellation.
+  float sq = 0.f;
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int col = (i * tpr + tid) * VEC;
+    if (col < D) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float c = v[i][j] - mean;
+        sq += c * c;
+      }
+    }
+  }
+  const float rstd = rsqrtf(row_sum(sq, slots[1][threadIdx.y]) * inv_d + p.eps);
+  if (!valid) return;
+  if (tid == 0) {
+    p.mean[row] = mean;
+    p.rstd[row] = rstd;
+  }
+
+  const TM* scale = static_cast<const TM*>(p.scale) + b * p.scale_sb + n * p.scale_sn;
+  const TM* shift = static_cast<const TM*>(p.shift) + b * p.shift_sb + n * p.shift_sn;
+  TO* y = static_cast<TO*>(p.y) + row * p.D;
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int col = (i * tpr + tid) * VEC;
+    if (col < D) {
+      float s[VEC], h[VEC], out[VEC];
+      load_floats<TM, VEC>(scale + col, s);
+      load_floats<TM, VEC>(shift + col, h);
+      if (p.weight != nullptr) {
+        float w[VEC], bi[VEC];
+        load_floats<float, VEC>(p.weight + col, w);
+        load_floats<float, VEC>(p.bias + col, bi);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) out[j] = ((v[i][j] - mean) * rstd * w[j] + bi[j]) * (1.f + s[j]) + h[j];
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) out[j] = (v[i][j] - mean) * rstd * (1.f + s[j]) + h[j];
+      }
+      store_floats<TO, VEC>(y + col, out);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Backward. Grid: B * strips CTAs of tpr threads; CTA c owns rows [s * L, min(N, (s + 1) * L)) of
+// sample c / strips. The next row's x and dy are fetched before the current row's reduction so
+// the loads overlap the shuffles and stores.
+struct BwdGrid {
+  int64_t strips;
+  int64_t rows_per_strip;
+};
+
+template <typename TX, typename TM, typename TD, int VEC, bool AFFINE, int VALUES>
+__global__ void __launch_bounds__(bwd_threads(VALUES))
+    adaln_bwd_kernel(const AdalnBwdParams p, const BwdGrid g) {
+  constexpr int NV = VALUES / VEC;
+  __shared__ float2 slots[2][kBwdMaxThreads / kWarp];
+  const int tid = threadIdx.x;
+  const int tpr = blockDim.x;
+  const int D = static_cast<int>(p.D);
+  const int64_t cta = blockIdx.x;
+  const int64_t b = cta / g.strips;
+  const int64_t n0 = (cta - b * g.strips) * g.rows_per_strip;
+  const int64_t n1 = n0 + g.rows_per_strip < p.N ? n0 + g.rows_per_strip : p.N;
+  const float inv_d = 1.f / static_cast<float>(D);
+
+  const TX* xb = static_cast<const TX*>(p.x) + b * p.x_sb;
+  const TD* dyb = static_cast<const TD*>(p.dy) + b * p.dy_sb;
+  const TM* sb = static_cast<const TM*>(p.scale) + b * p.scale_sb;
+
+  float acc_a[NV][VEC], acc_h[NV][VEC];
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc_a[i][j] = acc_h[i][j] = 0.f;
+  }
+
+  // Two rows of x and dy in flight: while one row is reduced and written, the next two are loading.
+  struct Rows {
+    Pack<TX, VEC> x[NV];
+    Pack<TD, VEC> dy[NV];
+  };
+  Rows ra, rb;
+  auto fetch = [&](Rows& r, int64_t n) {
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int col = (tid * NV + i) * VEC;
+      if (col < D) {
+        r.x[i] = load_pack<TX, VEC>(xb + n * p.x_sn + col);
+        r.dy[i] = load_pack<TD, VEC>(dyb + n * p.dy_sn + col);
+      }
+    }
+  };
+
+  int parity = 0;
+  auto step = [&](Rows& r, int64_t n) {
+    const int64_t row = b * p.N + n;
+    const float mean = p.mean[row];
+    const float rstd = p.rstd[row];
+    float xh[NV][VEC], gr[NV][VEC];
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        xh[i][j] = (to_float(r.x[i].v[j]) - mean) * rstd;
+        gr[i][j] = to_float(r.dy[i].v[j]);
+      }
+    }
+    if (n + 2 < n1) fetch(r, n + 2);
+
+    const TM* scale = sb + n * p.scale_sn;
+    float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int col = (tid * NV + i) * VEC;
+      if (col < D) {
+        float s[VEC], w[VEC];
+        load_floats<TM, VEC>(scale + col, s);
+        if constexpr (AFFINE) load_floats<float, VEC>(p.weight + col, w);
+        if (p.per_token) {
+          float ds[VEC], bi[VEC];
+          if constexpr (AFFINE) load_floats<float, VEC>(p.bias + col, bi);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) ds[j] = gr[i][j] * (AFFINE ? xh[i][j] * w[j] + bi[j] : xh[i][j]);
+          store_floats<TM, VEC>(static_cast<TM*>(p.dscale) + row * p.D + col, ds);
+        }
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float dy = gr[i][j];
+          float gv = dy * (1.f + s[j]);
+          if (!p.per_token) {
+            acc_a[i][j] += dy * xh[i][j];
+            acc_h[i][j] += dy;
+          } else if (AFFINE) {
+            acc_a[i][j] += gv * xh[i][j];
+            acc_h[i][j] += gv;
+          }
+          if constexpr (AFFINE) gv *= w[j];
+          gr[i][j] = gv;
+          s1 += gv * xh[i][j];
+          s2 += gv;
+        }
+      }
+    }
+    const float2 t = row_sum2(make_float2(s1, s2), slots[parity]);
+    parity ^= 1;
+    const float c1 = t.x * inv_d;
+    const float c2 = t.y * inv_d;
+    TX* dx = static_cast<TX*>(p.dx) + row * p.D;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int col = (tid * NV + i) * VEC;
+      if (col < D) {
+        float out[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) out[j] = rstd * (gr[i][j] - c2 - xh[i][j] * c1);
+        store_floats<TX, VEC>(dx + col, out);
+      }
+    }
+  };
+
+  if (n0 < n1) fetch(ra, n0);
+  if (n0 + 1 < n1) fetch(rb, n0 + 1);
+  // The row count is the same for every thread of the CTA, so the barriers inside step() match.
+  for (int64_t n = n0; n < n1; n += 2) {
+    step(ra, n);
+    if (n + 1 < n1) step(rb, n + 1);
+  }
+
+  // One fp32 partial per CTA and feature (A at [cta, D], H one array later); the finishing kernel
+  // adds them in a fixed order.
+  if (p.per_token && !AFFINE) return;
+  const int64_t ctas = p.B * g.strips;
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int col = (tid * NV + i) * VEC;
+    if (col < D) {
+      float* w = p.workspace + cta * p.D + col;
+      store_floats<float, VEC>(w, acc_a[i]);
+      store_floats<float, VEC>(w + ctas * p.D, acc_h[i]);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Finishing: out[g, d] = ca[d] * sum_p f(p, d) * A[g, p, d] + ch[d] * sum_p f(p, d) * H[g, p, d],
+// with f = 1 + scale[p / strips, d] for weighted jobs, else 1. p runs in increasing order within 8
+// fixed slices, then the slices are added in order. Up to four jobs share one launch.
+struct FinishJob {
+  const float* a;   // [G, P, D]
+  const float* h;   // [G, P, D] or nullptr
+  const float* ca;  // [D] or nullptr (1)
+  const float* ch;  // [D] or nullptr (skip H)
+  void* out;        // [G, D]
+  int64_t parts;    // P
+  int64_t first_block;
+  int dtype;
+  bool weighted;
+};
+
+struct FinishJobs {
+  FinishJob job[4];
+  int count;
+  int64_t D;
+  int64_t col_blocks;
+  int64_t strips;
+  const void* scale;  // for weighted jobs
+  int64_t scale_sb;
+  int scale_dtype;
+};
+
+__device__ __forceinline__ float load_any(const void* p, int64_t i, int dtype) {
+  switch (dtype) {
+    case ADALN_BF16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    case ADALN_F16: return __half2float(static_cast<const __half*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+
+__global__ void adaln_finish_kernel(const FinishJobs jobs) {
+  __shared__ float part[kRedSlices][kRedCols + 1];
+  const int64_t blk = blockIdx.x;
+  // Select the job with constant indices only, so the parameter array stays out of local memory.
+  FinishJob job = jobs.job[0];
+#pragma unroll
+  for (int k = 1; k < 4; ++k) {
+    if (k < jobs.count && blk >= jobs.job[k].first_block) job = jobs.job[k];
+  }
+  const int64_t local = blk - job.first_block;
+  const int64_t grp = local / jobs.col_blocks;
+  const int64_t d = (local - grp * jobs.col_blocks) * kRedCols + threadIdx.x;
+  const int64_t per_slice = (job.parts + kRedSlices - 1) / kRedSlices;
+  const int64_t p0 = threadIdx.y * per_slice;
+  const int64_t p1 = p0 + per_slice < job.parts ? p0 + per_slice : job.parts;
+  float sa = 0.f, sh = 0.f;
+  if (d < jobs.D) {
+    const int64_t base = grp * job.parts * jobs.D + d;
+    for (int64_t q = p0; q < p1; ++q) {
+      const float f =
+          job.weighted ? 1.f + load_any(jobs.scale, (q / jobs.strips) * jobs.scale_sb + d, jobs.scale_dtype) : 1.f;
+      sa += f * job.a[base + q * jobs.D];
+      if (job.ch != nullptr) sh += f * job.h[base + q * jobs.D];
+    }
+  }
+  float v = 0.f;
+  if (d < jobs.D) {
+    v = (job.ca != nullptr ? job.ca[d] : 1.f) * sa;
+    if (job.ch != nullptr) v += job.ch[d] * sh;
+  }
+  part[threadIdx.y][threadIdx.x] = v;
+  __syncthreads();
+  if (threadIdx.y != 0 || d >= jobs.D) return;
+  float total = 0.f;
+#pragma unroll
+  for (int k = 0; k < kRedSlices; ++k) total += part[k][threadIdx.x];
+  const int64_t o = grp * jobs.D + d;
+  switch (job.dtype) {
+    case ADALN_BF16: static_cast<__nv_bfloat16*>(job.out)[o] = __float2bfloat16_rn(total); break;
+    case ADALN_F16: static_cast<__half*>(job.out)[o] = __float2half_rn(total); break;
+    default: static_cast<float*>(job.out)[o] = total; break;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Host side.
+template <typename T>
+constexpr int wide_vec() {
+  return static_cast<int>(16 / sizeof(T));
+}
+
+bool aligned(const void* ptr, int bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+
+int pack_align(int elem_bytes, int vec) {
+  const int bytes = elem_bytes * vec;
+  return bytes < 16 ? bytes : 16;
+}
+
+int dtype_bytes(AdalnDtype t) { return t == ADALN_F32 ? 4 : 2; }
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+int round_up_warp(int64_t t) { return static_cast<int>(ceil_div(t, kWarp) * kWarp); }
+
+// Threads per row: enough warps that each thread holds at most `values` values.
+int threads_per_row(int64_t D, int vec, int values) { return round_up_warp(ceil_div(D / vec, values / vec)); }
+
+int multiprocessors() {
+  static int cached[64] = {0};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 1;
+  if (dev < 64 && cached[dev] > 0) return cached[dev];
+  int sms = 1;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (dev < 64) cached[dev] = sms;
+  return sms;
+}
+
+// The wide vector path needs every row start and pointer aligned to one vector.
+bool fwd_wide_ok(const AdalnFwdParams& p, int vec) {
+  const int64_t strides[] = {p.x_sb, p.x_sn, p.scale_sb, p.scale_sn, p.shift_sb, p.shift_sn};
+  if (p.D % vec != 0) return false;
+  for (int64_t s : strides) {
+    if (s % vec != 0) return false;
+  }
+  const int mb = dtype_bytes(p.mod_dtype);
+  return aligned(p.x, pack_align(dtype_bytes(p.x_dtype), vec)) && aligned(p.scale, pack_align(mb, vec)) &&
+         aligned(p.shift, pack_align(mb, vec)) && aligned(p.y, pack_align(dtype_bytes(p.out_dtype), vec)) &&
+         (p.weight == nullptr || (aligned(p.weight, pack_align(4, vec)) && aligned(p.bias, pack_align(4, vec))));
+}
+
+bool bwd_wide_ok(const AdalnBwdParams& p, int vec) {
+  const int64_t strides[] = {p.x_sb, p.x_sn, p.dy_sb, p.dy_sn, p.scale_sb, p.scale_sn};
+  if (p.D % vec != 0) return false;
+  for (int64_t s : strides) {
+    if (s % vec != 0) return false;
+  }
+  const int mb = dtype_bytes(p.mod_dtype);
+  const int fb = pack_align(4, vec);
+  return aligned(p.x, pack_align(dtype_bytes(p.x_dtype), vec)) &&
+         aligned(p.dx, pack_align(dtype_bytes(p.x_dtype), vec)) &&
+         aligned(p.dy, pack_align(dtype_bytes(p.out_dtype), vec)) && aligned(p.scale, pack_align(mb, vec)) &&
+         (!p.per_token || aligned(p.dscale, pack_align(mb, vec))) &&
+         (p.weight == nullptr || (aligned(p.weight, fb) && aligned(p.bias, fb)));
+}
+
+template <typename TX, typename TM, typename TO, int VEC>
+cudaError_t launch_fwd(const AdalnFwdParams& p, cudaStream_t stream) {
+  const int tpr = threads_per_row(p.D, VEC, kFwdValues);
+  int rows = kFwdCtaThreads / tpr;
+  rows = rows < 1 ? 1 : (rows > kFwdMaxRows ? kFwdMaxRows : rows);
+  const int64_t blocks = ceil_div(p.B * p.N, rows);
+  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  adaln_fwd_kernel<TX, TM, TO, VEC><<<static_cast<unsigned>(blocks), dim3(tpr, rows), 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename TX, typename TM, typename TO>
+cudaError_t fwd_vec(const AdalnFwdParams& p, cudaStream_t stream) {
+  constexpr int V = wide_vec<TX>();
+  if (fwd_wide_ok(p, V)) return launch_fwd<TX, TM, TO, V>(p, stream);
+  return launch_fwd<TX, TM, TO, 1>(p, stream);
+}
+
+// The backward's launch plan; the workspace query and the launch must agree, so both use this.
+template <typename TX, typename TM, typename TD, int VEC, bool AFFINE, int VALUES>
+cudaError_t bwd_plan(const AdalnBwdParams& p, int* tpr, BwdGrid* grid) {
+  *tpr = threads_per_row(p.D, VEC, VALUES);
+  if (*tpr > bwd_threads(VALUES)) return cudaErrorInvalidValue;
+  int per_sm = 0;
+  const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &per_sm, adaln_bwd_kernel<TX, TM, TD, VEC, AFFINE, VALUES>, *tpr, 0);
+  if (err != cudaSuccess) return err;
+  const int64_t target = static_cast<int64_t>(multiprocessors()) * (per_sm > 0 ? per_sm : 1);
+  int64_t strips = ceil_div(target, p.B);
+  strips = strips < 1 ? 1 : (strips > p.N ? p.N : strips);
+  grid->rows_per_strip = ceil_div(p.N, strips);
+  grid->strips = ceil_div(p.N, grid->rows_per_strip);
+  return cudaSuccess;
+}
+
+size_t workspace_floats(const AdalnBwdParams& p, const BwdGrid& g) {
+  const int arrays = (p.per_token && p.weight == nullptr) ? 0 : 2;
+  return static_cast<size_t>(arrays) * static_cast<size_t>(p.B * g.strips) * static_cast<size_t>(p.D);
+}
+
+template <typename TX, typename TM, typename TD, int VEC, bool AFFINE, int VALUES>
+cudaError_t launch_bwd(const AdalnBwdParams& p, cudaStream_t stream, size_t* workspace_bytes) {
+  int tpr = 0;
+  BwdGrid g{};
+  cudaError_t err = bwd_plan<TX, TM, TD, VEC, AFFINE, VALUES>(p, &tpr, &g);
+  if (err != cudaSuccess) return err;
+  if (workspace_bytes != nullptr) {
+    *workspace_bytes = workspace_floats(p, g) * sizeof(float);
+    return cudaSuccess;
+  }
+  const int64_t ctas = p.B * g.strips;
+  if (ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  adaln_bwd_kernel<TX, TM, TD, VEC, AFFINE, VALUES><<<static_cast<unsigned>(ctas), tpr, 0, stream>>>(p, g);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+
+  if (p.per_token && !AFFINE) return cudaSuccess;
+  FinishJobs jobs{};
+  jobs.D = p.D;
+  jobs.col_blocks = ceil_div(p.D, kRedCols);
+  jobs.strips = g.strips;
+  jobs.scale = p.scale;
+  jobs.scale_sb = p.scale_sb;
+  jobs.scale_dtype = p.mod_dtype;
+  const float* acc_a = p.workspace;
+  const float* acc_h = p.workspace + static_cast<size_t>(ctas) * static_cast<size_t>(p.D);
+  int64_t blocks = 0;
+  auto add = [&](const float* a, const float* h, const float* ca, const float* ch, void* out, int64_t groups,
+                 int64_t parts, AdalnDtype dtype, bool weighted) {
+    FinishJob& j = jobs.job[jobs.count++];
+    j = FinishJob{a, h, ca, ch, out, parts, blocks, dtype, weighted};
+    blocks += groups * jobs.col_blocks;
+  };
+  if (!p.per_token) {
+    add(acc_a, acc_h, p.weight, p.bias, p.dscale, p.B, g.strips, p.mod_dtype, false);
+    add(acc_h, nullptr, nullptr, nullptr, p.dshift, p.B, g.strips, p.mod_dtype, false);
+    if (AFFINE) {
+      add(acc_a, nullptr, nullptr, nullptr, p.dweight, 1, ctas, ADALN_F32, true);
+      add(acc_h, nullptr, nullptr, nullptr, p.dbias, 1, ctas, ADALN_F32, true);
+    }
+  } else {
+    add(acc_a, nullptr, nullptr, nullptr, p.dweight, 1, ctas, ADALN_F32, false);
+    add(acc_h, nullptr, nullptr, nullptr, p.dbias, 1, ctas, ADALN_F32, false);
+  }
+  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  adaln_finish_kernel<<<static_cast<unsigned>(blocks), dim3(kRedCols, kRedSlices), 0, stream>>>(jobs);
+  return cudaGetLastError();
+}
+
+template <typename TX, typename TM, typename TD, bool AFFINE>
+cudaError_t bwd_values(const AdalnBwdParams& p, cudaStream_t stream, size_t* workspace_bytes) {
+  constexpr int V = wide_vec<TX>();
+  const bool wide = bwd_wide_ok(p, V);
+  if (!wide) return launch_bwd<TX, TM, TD, 1, AFFINE, kBwdScalarValues>(p, stream, workspace_bytes);
+  if (p.D <= kBwdSmallValues * kBwdSmallThreads) {
+    return launch_bwd<TX, TM, TD, V, AFFINE, kBwdSmallValues>(p, stream, workspace_bytes);
+  }
+  return launch_bwd<TX, TM, TD, V, AFFINE, kBwdLargeValues>(p, stream, workspace_bytes);
+}
+
+template <typename TX, typename TM, typename TD>
+cudaError_t bwd_vec(const AdalnBwdParams& p, cudaStream_t stream, size_t* workspace_bytes) {
+  return p.weight != nullptr ? bwd_values<TX, TM, TD, true>(p, stream, workspace_bytes)
+                             : bwd_values<TX, TM, TD, false>(p, stream, workspace_bytes);
+}
+
+// The dtype combinations compiled: x in {f32, bf16, f16}; modulation in fp32 or x's dtype; output
+// in the promoted dtype or bf16.
+#define ADALN_DISPATCH(X, M, O, FN, ...)                                                                   \
+  do {                                                                                                     \
+    if (X == ADALN_F32 && M == ADALN_F32 && O == ADALN_F32) return FN<float, float, float>(__VA_ARGS__); \
+    if (X == ADALN_F32 && M == ADALN_F32 && O == ADALN_BF16)                                              \
+      return FN<float, float, __nv_bfloat16>(__VA_ARGS__);                                                \
+    if (X == ADALN_BF16 && M == ADALN_F32 && O == ADALN_F32)                                              \
+      return FN<__nv_bfloat16, float, float>(__VA_ARGS__);                                                \
+    if (X == ADALN_BF16 && M == ADALN_F32 && O == ADALN_BF16)                                             \
+      return FN<__nv_bfloat16, float, __nv_bfloat16>(__VA_ARGS__);                                        \
+    if (X == ADALN_BF16 && M == ADALN_BF16 && O == ADALN_BF16)                                            \
+      return FN<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16>(__VA_ARGS__);                                \
+    if (X == ADALN_F16 && M == ADALN_F32 && O == ADALN_F32) return FN<__half, float, float>(__VA_ARGS__); \
+    if (X == ADALN_F16 && M == ADALN_F32 && O == ADALN_BF16)                                              \
+      return FN<__half, float, __nv_bfloat16>(__VA_ARGS__);                                               \
+    if (X == ADALN_F16 && M == ADALN_F16 && O == ADALN_F16) return FN<__half, __half, __half>(__VA_ARGS__); \
+    if (X == ADALN_F16 && M == ADALN_F16 && O == ADALN_BF16)                                              \
+      return FN<__half, __half, __nv_bfloat16>(__VA_ARGS__);                                              \
+  } while (0)
+
+}  // namespace
+
+bool adaln_supported(AdalnDtype x, AdalnDtype m, AdalnDtype o, int64_t D) {
+  if (D < 1 || D > ADALN_MAX_D) return false;
+  if (m != ADALN_F32 && m != x) return false;
+  const AdalnDtype promoted = m == ADALN_F32 ? ADALN_F32 : x;
+  return o == promoted || o == ADALN_BF16;
+}
+
+cudaError_t adaln_fwd(const AdalnFwdParams& p, cudaStream_t stream) {
+  if (!adaln_supported(p.x_dtype, p.mod_dtype, p.out_dtype, p.D)) return cudaErrorInvalidValue;
+  if (p.B * p.N == 0) return cudaSuccess;
+  ADALN_DISPATCH(p.x_dtype, p.mod_dtype, p.out_dtype, fwd_vec, p, stream);
+  return cudaErrorInvalidValue;
+}
+
+size_t adaln_bwd_workspace_bytes(const AdalnBwdParams& p) {
+  if (!adaln_supported(p.x_dtype, p.mod_dtype, p.out_dtype, p.D) || p.B * p.N == 0) return 0;
+  size_t bytes = 0;
+  const cudaError_t err = [&]() -> cudaError_t {
+    ADALN_DISPATCH(p.x_dtype, p.mod_dtype, p.out_dtype, bwd_vec, p, nullptr, &bytes);
+    return cudaErrorInvalidValue;
+  }();
+  return err == cudaSuccess ? bytes : 0;
+}
+
+cudaError_t adaln_bwd(const AdalnBwdParams& p, cudaStream_t stream) {
+  if (!adaln_supported(p.x_dtype, p.mod_dtype, p.out_dtype, p.D)) return cudaErrorInvalidValue;
+  if (p.B * p.N == 0) return cudaSuccess;
+  ADALN_DISPATCH(p.x_dtype, p.mod_dtype, p.out_dtype, bwd_vec, p, stream, nullptr);
+  return cudaErrorInvalidValue;
+}
