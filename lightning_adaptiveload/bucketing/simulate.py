@@ -62,22 +62,22 @@ def load_shapes(mixture: str | None, manifest: str | None, num_samples: int) -> 
     if (mixture is None) == (manifest is None):
         raise ValueError("Give exactly one of `--mixture` and `--manifest`.")
     if manifest is not None:
-        try:
-            from lightning_adaptiveload.data.manifest import read_manifest_shapes
-        except ImportError as err:
-            raise ValueError("`--manifest` needs `lightning_adaptiveload.data.manifest.read_manifest_shapes`, "
-                             "which this installation lacks; use `--mixture`.") from err
-        return np.asarray(read_manifest_shapes(manifest), dtype=np.int64)
+        from lightning_adaptiveload.data.manifest import read_manifest_shapes
+
+        grids, report = read_manifest_shapes(manifest)
+        if report.num_skipped:
+            print(f"manifest {manifest}: skipped {report.num_skipped} bad rows {report.skipped}")
+        return np.asarray(grids, dtype=np.int64)
     return mixture_token_grids(load_mixture(mixture), num_samples)
 
 
 def load_cost_model(path: str | None) -> Any:
-    """A ``CostModel`` from JSON (as written by ``CostModel.to_json``), or ``None`` for the default."""
+    """A ``CostModel`` from a JSON file (``CostModel.to_json`` or a calibration file), or ``None``."""
     if path is None:
         return None
-    from lightning_adaptiveload.costmodel import CostModel
+    from lightning_adaptiveload.factories import load_cost_model as _load
 
-    return CostModel.from_json(Path(path).read_text())
+    return _load(path)
 
 
 def render(results: Sequence[SimulationResult], title: str) -> None:
