@@ -1,1 +1,79 @@
-"""x"""
+"""lightning-adaptiveload: fast video diffusion transformer training on mixed image + video data.
+
+Dual-constraint adaptive bucketing with a rank-aware balanced batch sampler, shape benchmarking with
+a fitted cost model, a fused AdaLN CUDA kernel, and a faithful Wan 2.1 DiT, for PyTorch Lightning.
+"""
+
+from lightning_adaptiveload.bucketing import (
+    AdaptiveBucketBatchSampler,
+    BatchSizePolicy,
+    CostModelPolicy,
+    DualConstraintPolicy,
+    EqualTokenPolicy,
+    SimulationResult,
+    bubble_fraction,
+    compare_policies,
+    compute_imbalance_rate,
+    simulate,
+    sync_overhead,
+)
+from lightning_adaptiveload.bucketing.shapes import latent_shape, pixel_token_grid, seq_len, token_grid
+from lightning_adaptiveload.callbacks.balance_monitor import BalanceMonitor
+from lightning_adaptiveload.callbacks.shape_benchmark import ShapeBenchmarkCallback
+from lightning_adaptiveload.costmodel import CostModel, MemoryModel
+from lightning_adaptiveload.data import (
+    MIXTURES,
+    ManifestDataset,
+    SyntheticMixedDataset,
+    collate_batch,
+    get_mixture,
+    read_manifest_shapes,
+)
+from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+from lightning_adaptiveload.models import (
+    WAN_CONFIGS,
+    FlowMatchingModule,
+    WanAttentionBlock,
+    WanConfig,
+    WanModel,
+)
+from lightning_adaptiveload.modules.adaln import AdaLayerNorm
+from lightning_adaptiveload.ops.adaln import adaln_ref
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MIXTURES",
+    "WAN_CONFIGS",
+    "AdaLayerNorm",
+    "AdaptiveBucketBatchSampler",
+    "AdaptiveLoadDataModule",
+    "BalanceMonitor",
+    "BatchSizePolicy",
+    "CostModel",
+    "CostModelPolicy",
+    "DualConstraintPolicy",
+    "EqualTokenPolicy",
+    "FlowMatchingModule",
+    "ManifestDataset",
+    "MemoryModel",
+    "ShapeBenchmarkCallback",
+    "SimulationResult",
+    "SyntheticMixedDataset",
+    "WanAttentionBlock",
+    "WanConfig",
+    "WanModel",
+    "adaln_ref",
+    "bubble_fraction",
+    "collate_batch",
+    "compare_policies",
+    "compute_imbalance_rate",
+    "get_mixture",
+    "latent_shape",
+    "pixel_token_grid",
+    "read_manifest_shapes",
+    "seq_len",
+    "simulate",
+    "sync_overhead",
+    "token_grid",
+]
