@@ -37,6 +37,10 @@ _JSON_VERSION = 1
 # The exponent is kept in a physically meaningful range: below 0.5 nothing in a transformer scales,
 # above 3 the fit is chasing noise.
 _P_BOUNDS = (0.5, 3.0)
+# Floor of the per-token cost in normalised units (fraction of the median step time at the longest
+# S): timings that do not grow with tokens (noise on a tiny model) then give a valid, nearly flat
+# model whose policy is bounded by memory alone, instead of a model that predicts no cost.
+_MIN_SLOPE = 1e-9
 # Leave-one-out up to this many points, k-fold (deterministic folds) above.
 _LOO_MAX_POINTS = 24
 _KFOLD = 8
@@ -96,14 +100,14 @@ def _fit_normalised(form: str, b: np.ndarray, s: np.ndarray, t: np.ndarray) -> n
             slope, intercept = np.polyfit(np.log(s), y, 1)
             p0 = float(np.clip(slope, *_P_BOUNDS))
             starts.append(np.array([a0, math.exp(intercept), p0]))
-        lower, upper = [0.0, 0.0, _P_BOUNDS[0]], [np.inf, np.inf, _P_BOUNDS[1]]
+        lower, upper = [0.0, _MIN_SLOPE, _P_BOUNDS[0]], [np.inf, np.inf, _P_BOUNDS[1]]
     else:
         # The quadratic form is linear in its parameters: the non-negative least-squares solution of
         # the relative-error system is the optimum; least_squares only polishes it.
         design = np.stack([np.ones_like(s), b * s, b * s * s], axis=1) / t[:, None]
         theta0, _ = nnls(design, np.ones_like(t))
         starts.append(theta0)
-        lower, upper = [0.0, 0.0, 0.0], [np.inf, np.inf, np.inf]
+        lower, upper = [0.0, 0.0, _MIN_SLOPE], [np.inf, np.inf, np.inf]
     best = None
     for x0 in starts:
         x0 = np.clip(x0, np.array(lower) + 1e-12, np.minimum(np.array(upper), 1e12))

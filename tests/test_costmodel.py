@@ -240,3 +240,13 @@ def test_memory_model_degenerate():
     with pytest.raises(ValueError, match="margin=1.0"):
         mm.max_tokens(1e10, margin=1.0)
     assert MemoryModel.from_dict(mm.to_dict()) == mm
+
+
+@pytest.mark.parametrize("form", ["power", "quadratic", "auto"])
+def test_flat_timings_give_a_valid_nearly_flat_model(form):
+    # Timings that do not grow with tokens (noise on a tiny model) must not produce an invalid model.
+    b, s = _grid()
+    t = _noisy(np.full(b.shape, 0.01), rel=0.05, seed=4)
+    cm = CostModel.fit(b, s, t, form=form)
+    assert np.all(np.abs(cm.predict(b, s) / 0.01 - 1) < 0.2)
+    assert cm.policy(65520, step_budget=0.02).batch_size(1560) == 42  # memory alone binds

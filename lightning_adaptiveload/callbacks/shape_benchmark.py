@@ -33,6 +33,8 @@ _PENDING_OPTIMIZER_BYTES_PER_PARAM = 8
 # Batch sizes tried per sequence length when none are given; the longest sequence gets B = 1, 2.
 _DEFAULT_BATCHES_PER_SEQ = 3
 _MAX_TABLE_ROWS = 40
+# Above this held-out median relative error the fit is reported as poor (reference fits: 4-10%).
+_POOR_FIT_REL_ERROR = 0.25
 
 
 class ShapeBenchmarkCallback(Callback):
@@ -333,10 +335,21 @@ class ShapeBenchmarkCallback(Callback):
                 f"`ShapeBenchmarkCallback` could not fit the cost model on {len(ok)} feasible shapes: {err} "
                 "Raise `time_budget_s` or `max_shapes`, or pass more `batch_sizes`."
             ) from err
+        held = cost_model.quality.get("heldout_median_rel_error", float("nan"))
+        if not held <= _POOR_FIT_REL_ERROR:
+            rank_zero_warn(
+                f"`ShapeBenchmarkCallback`: the cost model predicts held-out shapes with a median error of "
+                f"{held:.0%}; timings are noisy (a busy device?) or the shapes too small. Raise `repeats` "
+                "and `warmup`, or profile larger shapes."
+            )
         memory_model = None
         peaks = [m["peak_bytes"] for m in ok]
         if device.type == "cuda" and all(p is not None for p in peaks) and len({b * s for b, s in zip(bs, ss, strict=True)}) > 1:
-            memory_model = MemoryModel.fit(bs, ss, peaks)
+            try:
+                memory_model = MemoryModel.fit(bs, ss, peaks)
+            except ValueError as err:
+                rank_zero_warn(f"`ShapeBenchmarkCallback`: no memory model ({err}); M_mem falls back to the "
+                               "largest token count profiled. Pass `m_mem` to set it.")
         calibration = {
             "format": _CALIBRATION_FORMAT,
             "version": _CALIBRATION_VERSION,

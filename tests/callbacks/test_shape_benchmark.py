@@ -1,0 +1,422 @@
+import json
+import random
+import time
+from unittest.mock import Mock
+
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_adaptiveload.bucketing.policy import CostModelPolicy, DualConstraintPolicy
+from lightning_adaptiveload.callbacks import shape_benchmark as sb
+from lightning_adaptiveload.callbacks.shape_benchmark import ShapeBenchmarkCallback, _plan_shapes
+from lightning_adaptiveload.costmodel import CostModel
+
+GRIDS = np.array([(1, 2, 2), (1, 4, 4), (2, 4, 4), (3, 4, 6), (5, 6, 6)] * 3, dtype=np.int64)  # S 4..180
+
+
+class TinyModule(LightningModule):
+    """Stand-in with the profiling interface: attention-like S² cost and a BatchNorm (buffers)."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.proj = nn.Linear(4, dim)
+        self.norm = nn.BatchNorm1d(dim)
+        self.out = nn.Linear(dim, 1)
+        self.calls: list[tuple[int, int]] = []
+        self.hook = None
+
+    def synthetic_batch(self, batch_size, grid, device=None):
+        s = int(np.prod(grid))
+        return {"x": torch.randn(batch_size, s, 4, device=device)}
+
+    def compute_loss(self, batch):
+        x = batch["x"]
+        b, s, _ = x.shape
+        self.calls.append((b, s))
+        if self.hook is not None:
+            self.hook(b, s)
+        h = self.norm(self.proj(x).reshape(b * s, -1)).reshape(b, s, -1)
+        h = torch.softmax(h @ h.transpose(1, 2), dim=-1) @ h
+        return self.out(h).pow(2).mean()
+
+    def training_step(self, batch, batch_idx):
+        return self.compute_loss(batch)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class GridDataset:
+    def __init__(self, grids=GRIDS):
+        self.grids = np.asarray(grids, dtype=np.int64)
+
+    def __len__(self):
+        return len(self.grids)
+
+    def token_grids(self):
+        return self.grids
+
+    def __getitem__(self, i):
+        return {"x": torch.randn(6, 4)}
+
+
+class TinyDataModule(LightningDataModule):
+    def __init__(self, grids=GRIDS):
+        super().__init__()
+        self.dataset = GridDataset(grids)
+        self.events: list[str] = []
+        self.policy = None
+        self.cost_model = None
+
+    def set_policy(self, policy):
+        self.events.append("set_policy")
+        self.policy = policy
+
+    def set_cost_model(self, cost_model):
+        self.events.append("set_cost_model")
+        self.cost_model = cost_model
+
+    def train_dataloader(self):
+        self.events.append("train_dataloader")
+        return DataLoader(self.dataset, batch_size=2)
+
+
+class Snapshot(Callback):
+    """Records what profiling could disturb, at its place in the on_fit_start order."""
+
+    def on_fit_start(self, trainer, pl_module):
+        self.params = {k: v.detach().clone() for k, v in pl_module.named_parameters()}
+        self.buffers = {k: v.detach().clone() for k, v in pl_module.named_buffers()}
+        self.grads = [p.grad for p in pl_module.parameters()]
+        self.training = [m.training for m in pl_module.modules()]
+        self.torch_rng = torch.get_rng_state()
+        self.np_rng = np.random.get_state()
+        self.py_rng = random.getstate()
+        self.optim = trainer.optimizers[0].state_dict()
+        self.global_step = trainer.global_step
+        self.calls = len(pl_module.calls)
+        self.wrapped = trainer.strategy.model is not pl_module
+
+
+def _trainer(tmp_path, *callbacks, max_steps=2, **kwargs):
+    kwargs.setdefault("logger", False)
+    kwargs.setdefault("enable_checkpointing", False)
+    return Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=list(callbacks),
+        **kwargs,
+    )
+
+
+def _cb(tmp_path, **kwargs):
+    kwargs.setdefault("repeats", 2)
+    kwargs.setdefault("warmup", 1)
+    kwargs.setdefault("save_dir", tmp_path / "bench")
+    return ShapeBenchmarkCallback(**kwargs)
+
+
+class FakeClock:
+    """``time.perf_counter`` plus simulated seconds, advanced by the model per step."""
+
+    def __init__(self):
+        self.real = time.perf_counter
+        self.offset = 0.0
+
+    def __call__(self):
+        return self.real() + self.offset
+
+
+def test_plan_shapes_rounds_spread_and_single_seq():
+    plan = _plan_shapes(GRIDS, None, max_shapes=3)
+    seqs = [int(np.prod(g)) for _, g in plan]
+    # S = 4, 32, 180 chosen (ends kept); the first pass runs every S at B = 1.
+    assert sorted(set(seqs)) == [4, 32, 180]
+    assert [b for b, _ in plan[:3]] == [1, 1, 1]
+    assert {(b, int(np.prod(g))) for b, g in plan} == {(1, 4), (9, 4), (90, 4), (1, 32), (3, 32), (11, 32),
+                                                          (1, 180), (2, 180)}
+    assert max(b * s for (b, _), s in zip(plan, seqs, strict=True)) <= 2 * 180 * 2
+    plan = _plan_shapes(np.array([[2, 4, 6]] * 4), [1, 4], max_shapes=8)
+    assert plan == [(1, (2, 4, 3)), (1, (2, 4, 6)), (4, (2, 4, 3)), (4, (2, 4, 6))]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"batch_sizes": [0, 2]}, "batch_sizes"),
+        ({"batch_sizes": []}, "batch_sizes"),
+        ({"max_shapes": 0}, "max_shapes=0"),
+        ({"repeats": 0}, "repeats=0"),
+        ({"warmup": -1}, "warmup=-1"),
+        ({"time_budget_s": 0}, "time_budget_s=0"),
+        ({"form": "cubic"}, "form='cubic'"),
+        ({"memory_margin": 1.0}, "memory_margin=1.0"),
+        ({"step_budget_s": -1.0}, "step_budget_s=-1.0"),
+        ({"m_mem": 2.5}, "m_mem=2.5"),
+    ],
+)
+def test_invalid_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ShapeBenchmarkCallback(**kwargs)
+
+
+def test_profiles_sets_policy_before_dataloader_and_leaves_no_trace(tmp_path):
+    before, after = Snapshot(), Snapshot()
+    cb = _cb(tmp_path)
+    logger = Mock()
+    trainer = _trainer(tmp_path, before, cb, after, logger=logger)
+    model, dm = TinyModule(), TinyDataModule()
+    trainer.fit(model, datamodule=dm)
+
+    assert cb.profiled
+    assert dm.events[:3] == ["set_cost_model", "set_policy", "train_dataloader"]
+    assert isinstance(dm.cost_model, CostModel) and dm.policy is cb.policy
+    assert isinstance(dm.policy, (DualConstraintPolicy, CostModelPolicy))
+    # Default step budget: one sample at the longest S; on CPU M_mem is the largest token count run.
+    assert cb.constants["step_budget_s"] == pytest.approx(dm.cost_model.predict(1, 180))
+    assert dm.policy.batch_size(180) == 1
+    assert cb.constants["m_mem"] == 360
+    profiled = after.calls - before.calls
+    assert profiled == len(_plan_shapes(GRIDS, None, 8)) * 3  # warm-up + repeats per shape
+
+    for k, v in before.params.items():
+        assert torch.equal(v, after.params[k]), k
+    for k, v in before.buffers.items():
+        assert torch.equal(v, after.buffers[k]), k  # BatchNorm statistics restored
+    assert all(g is None for g in after.grads)
+    assert after.training == before.training
+    assert torch.equal(before.torch_rng, after.torch_rng)
+    assert all(np.array_equal(a, b) for a, b in zip(before.np_rng[1:2], after.np_rng[1:2], strict=True))
+    assert before.py_rng == after.py_rng
+    assert before.optim == after.optim and before.global_step == after.global_step == 0
+    assert trainer.global_step == 2
+
+    record = json.loads((tmp_path / "bench" / "shape_benchmark.json").read_text())
+    assert record["derived"]["m_mem"] == 360
+    assert {m["status"] for m in record["measurements"]} == {"ok"}
+    assert CostModel.from_dict(record["cost_model"]) == dm.cost_model
+    assert (tmp_path / "bench" / "shape_benchmark.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    logged = logger.log_metrics.call_args_list[0].args[0]
+    assert logged["shape_benchmark/m_mem"] == 360
+    assert "shape_benchmark/quality/heldout_median_rel_error" in logged
+
+
+def test_recovers_known_cost_through_the_callback(tmp_path, monkeypatch):
+    # The model "takes" a + b·B·S^p simulated seconds per step (large, so the real CPU time of the
+    # tiny model, ~0.1 s on a busy machine, is noise below 0.5%); the fit must find p.
+    clock = FakeClock()
+    monkeypatch.setattr(sb.time, "perf_counter", clock)
+    model = TinyModule()
+
+    def advance(b, s):
+        clock.offset += 50.0 + 2e-2 * b * s**1.6
+
+    model.hook = advance
+    cb = _cb(tmp_path, form="power", step_budget_s=200.0, m_mem=1000, time_budget_s=1e9)
+    dm = TinyDataModule()
+    _trainer(tmp_path, cb).fit(model, datamodule=dm)
+    cm = dm.cost_model
+    assert cm.form == "power"
+    assert cm.params["p"] == pytest.approx(1.6, abs=0.01)
+    assert cm.params["a"] == pytest.approx(50.0, rel=0.01)
+    assert isinstance(dm.policy, DualConstraintPolicy)
+    assert dm.policy.m_mem == 1000
+    assert dm.policy.m_comp == pytest.approx((200.0 - cm.params["a"]) / cm.params["b"], rel=1e-12)
+
+
+def test_time_budget_stops_after_first_pass(tmp_path, monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(sb.time, "perf_counter", clock)
+    model = TinyModule()
+
+    def advance(b, s):
+        clock.offset += 10.0 * b * (1 + s / 50) ** 2
+
+    model.hook = advance
+    cb = _cb(tmp_path, time_budget_s=100.0, batch_sizes=[1, 2, 3])
+    dm = TinyDataModule()
+    with pytest.warns(UserWarning, match="time budget"):
+        _trainer(tmp_path, cb).fit(model, datamodule=dm)
+    record = json.loads(cb._calibration)
+    # Five sequence lengths at B = 1 (the first pass always completes), nothing more.
+    assert [m["batch_size"] for m in record["measurements"]] == [1] * 5
+    assert dm.cost_model is not None
+
+
+def test_out_of_memory_shape_recorded_and_skipped(tmp_path):
+    model = TinyModule()
+
+    def oom(b, s):
+        if b * s > 200:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    model.hook = oom
+    cb, dm, after = _cb(tmp_path, batch_sizes=[1, 2, 4]), TinyDataModule(), Snapshot()
+    _trainer(tmp_path, cb, after).fit(model, datamodule=dm)
+    status = {(m["batch_size"], m["seq_len"]): m["status"] for m in json.loads(cb._calibration)["measurements"]}
+    assert status[(1, 180)] == "ok"
+    assert status[(2, 180)] == "oom"
+    assert status[(4, 180)] == "skipped"  # larger B at an S that ran out of memory is not tried
+    assert status[(4, 72)] == "oom"
+    assert status[(4, 32)] == "ok"
+    # On CPU M_mem is the largest feasible token count (B·S = 180), below the smallest OOM (4·72).
+    assert cb.constants["m_mem"] == 180
+    assert dm.policy.batch_size(72) <= 2
+    assert all(g is None for g in after.grads)  # the failed steps' gradients are gone too
+
+
+def test_cache_reuse_and_force(tmp_path):
+    cache = tmp_path / "cache"
+    first = _cb(tmp_path, cache_dir=cache)
+    _trainer(tmp_path, first).fit(TinyModule(), datamodule=TinyDataModule())
+    assert first.profiled and len(list(cache.glob("shape_benchmark_*.json"))) == 1
+
+    second, model, dm = _cb(tmp_path, cache_dir=cache), TinyModule(), TinyDataModule()
+    probe = Snapshot()
+    _trainer(tmp_path, second, probe).fit(model, datamodule=dm)
+    assert not second.profiled and probe.calls == 0
+    assert second._calibration == first._calibration
+    assert dm.cost_model == first.cost_model and repr(dm.policy) == repr(first.policy)
+
+    # Another model configuration is another key.
+    other = _cb(tmp_path, cache_dir=cache)
+    _trainer(tmp_path, other).fit(TinyModule(dim=12), datamodule=TinyDataModule())
+    assert other.profiled and len(list(cache.glob("shape_benchmark_*.json"))) == 2
+
+    forced = _cb(tmp_path, cache_dir=cache, force=True)
+    _trainer(tmp_path, forced).fit(TinyModule(), datamodule=TinyDataModule())
+    assert forced.profiled and forced._calibration != first._calibration
+
+
+def test_resume_from_checkpoint_does_not_profile(tmp_path):
+    first, dm1 = _cb(tmp_path), TinyDataModule()
+    trainer = _trainer(tmp_path, first)
+    trainer.fit(TinyModule(), datamodule=dm1)
+    ckpt = tmp_path / "run.ckpt"
+    trainer.save_checkpoint(ckpt)
+    assert torch.load(ckpt, weights_only=False)["callbacks"]["ShapeBenchmarkCallback"]["calibration"]
+
+    resumed, model, dm2 = _cb(tmp_path), TinyModule(), TinyDataModule()
+    probe = Snapshot()
+    trainer = _trainer(tmp_path, resumed, probe, max_steps=4)
+    trainer.fit(model, datamodule=dm2, ckpt_path=ckpt)
+    assert not resumed.profiled and probe.calls == 0
+    assert resumed._calibration == first._calibration
+    assert dm2.events[:3] == ["set_cost_model", "set_policy", "train_dataloader"]
+    assert repr(dm2.policy) == repr(dm1.policy)
+    assert trainer.global_step == 4
+
+
+class LateRestoreStrategy(SingleDeviceStrategy):
+    """Restores checkpoints after on_fit_start, as FSDP and DeepSpeed do."""
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_resume_with_late_restoring_strategy(tmp_path, use_cache):
+    cache = tmp_path / "cache" if use_cache else None
+    first, dm1 = _cb(tmp_path, cache_dir=cache), TinyDataModule()
+    trainer = _trainer(tmp_path, first, strategy=LateRestoreStrategy(torch.device("cpu")))
+    trainer.fit(TinyModule(), datamodule=dm1)
+    ckpt = tmp_path / "run.ckpt"
+    trainer.save_checkpoint(ckpt)
+
+    resumed, dm2 = _cb(tmp_path, cache_dir=cache), TinyDataModule()
+    trainer = _trainer(tmp_path, resumed, strategy=LateRestoreStrategy(torch.device("cpu")), max_steps=4)
+    trainer.fit(TinyModule(), datamodule=dm2, ckpt_path=ckpt)
+    # Without a cache Lightning's hook order forces a profile, but the checkpoint's calibration
+    # is what the dataloader is built with.
+    assert resumed.profiled is (not use_cache)
+    assert resumed._calibration == first._calibration
+    assert dm2.cost_model == first.cost_model
+    last_policy = dm2.events.index("train_dataloader") - 1
+    assert dm2.events[last_policy] == "set_policy"
+    assert repr(dm2.policy) == repr(dm1.policy)
+
+
+def test_disabled_is_a_noop(tmp_path):
+    cb, dm, probe = _cb(tmp_path, enabled=False), TinyDataModule(), Snapshot()
+    _trainer(tmp_path, cb, probe).fit(TinyModule(), datamodule=dm)
+    assert not cb.profiled and probe.calls == 0 and "set_policy" not in dm.events
+
+
+def test_setup_checks_module_and_datamodule(tmp_path):
+    class NoLoss(TinyModule):
+        compute_loss = None
+
+    with pytest.raises(Exception, match="compute_loss"):
+        _trainer(tmp_path, _cb(tmp_path)).fit(NoLoss(), datamodule=TinyDataModule())
+
+    class PlainDM(LightningDataModule):
+        def train_dataloader(self):
+            return DataLoader(GridDataset(), batch_size=2)
+
+    with pytest.raises(Exception, match="token_grids"):
+        _trainer(tmp_path, _cb(tmp_path)).fit(TinyModule(), datamodule=PlainDM())
+
+
+def _real_parts(num_samples=64):
+    datamodule = pytest.importorskip("lightning_adaptiveload.data.datamodule")
+    from lightning_adaptiveload.bucketing.policy import EqualTokenPolicy
+    from lightning_adaptiveload.data.synthetic import SyntheticMixedDataset
+    from lightning_adaptiveload.models.flow_matching import FlowMatchingModule
+
+    mixture = [
+        {"num_frames": 1, "height": 64, "width": 64, "weight": 2.0},
+        {"num_frames": 5, "height": 64, "width": 96, "weight": 1.0},
+        {"num_frames": 9, "height": 96, "width": 96, "weight": 1.0},
+    ]
+    dataset = SyntheticMixedDataset(num_samples, mixture, text_len=16, text_dim=32)
+    dm = datamodule.AdaptiveLoadDataModule(dataset, EqualTokenPolicy(4096))
+    return FlowMatchingModule("tiny"), dm
+
+
+def test_real_tiny_model_and_datamodule(tmp_path):
+    model, dm = _real_parts()
+    cb = _cb(tmp_path, max_shapes=3)
+    trainer = _trainer(tmp_path, cb, use_distributed_sampler=False)
+    trainer.fit(model, datamodule=dm)
+    assert cb.profiled and dm.policy is cb.policy
+    seq = dm.dataset.token_grids().prod(axis=1)
+    assert dm.policy.batch_size(int(seq.max())) == 1
+    assert trainer.global_step == 2
+
+
+@pytest.mark.cuda
+def test_real_tiny_model_on_gpu(tmp_path):
+    model, dm = _real_parts()
+    cb = _cb(tmp_path, max_shapes=3, repeats=3)
+    trainer = Trainer(accelerator="cuda", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, default_root_dir=tmp_path, callbacks=[cb],
+                      use_distributed_sampler=False)
+    trainer.fit(model, datamodule=dm)
+    record = json.loads(cb._calibration)
+    assert record["device_memory"] > 0 and record["memory_model"] is not None
+    assert all(m["peak_bytes"] > 0 for m in record["measurements"] if m["status"] == "ok")
+    assert cb.constants["m_mem"] >= int(dm.dataset.token_grids().prod(axis=1).max())
+    assert (tmp_path / "bench" / "shape_benchmark.png").exists()
+
+
+def test_runs_through_a_wrapping_strategy(tmp_path):
+    # DDP (one CPU process, gloo) wraps the module: profiling must go through the wrapper's forward
+    # and the collective reduce/broadcast paths, and training must run normally afterwards.
+    cb, dm, after = _cb(tmp_path, max_shapes=3, batch_sizes=[1, 2]), TinyDataModule(), Snapshot()
+    trainer = _trainer(tmp_path, cb, after, strategy="ddp", use_distributed_sampler=False)
+    trainer.fit(TinyModule(), datamodule=dm)
+    assert after.wrapped
+    assert cb.profiled and after.calls == 6 * 3
+    assert all(g is None for g in after.grads)
+    assert trainer.global_step == 2
