@@ -208,6 +208,7 @@ class ShapeBenchmarkCallback(Callback):
         if not self.enabled:
             return
         self._fit_started = True
+        self.profiled = False
         grids = np.asarray(trainer.datamodule.dataset.token_grids(), dtype=np.int64).reshape(-1, 3)
         if len(grids) == 0:
             raise MisconfigurationException("`ShapeBenchmarkCallback`: the dataset has no samples to profile.")
@@ -655,10 +656,14 @@ def _plot(record: dict[str, Any], cost_model: CostModel, path: Path) -> None:
     s_all = [m["seq_len"] for m in meas]
     s_line = np.geomspace(min(s_all), max(s_all), 100)
     batch_values = sorted({m["batch_size"] for m in meas})
+    max_tokens = max(m["batch_size"] * m["seq_len"] for m in ok + oom)
     for i, b in enumerate(batch_values):
         color = colormaps["viridis"](i / max(1, len(batch_values) - 1))
         pts = [m for m in ok if m["batch_size"] == b]
-        ax.plot(s_line, np.asarray(cost_model.predict(b, s_line)) * 1e3, "-", color=color, label=f"B={b} fit")
+        # Each curve stops where its batch exceeds the largest token count profiled: beyond that
+        # is extrapolation no policy uses.
+        s_b = s_line[b * s_line <= max_tokens * (1 + 1e-9)]
+        ax.plot(s_b, np.asarray(cost_model.predict(b, s_b)) * 1e3, "-", color=color, label=f"B={b}")
         if pts:
             ax.plot([m["seq_len"] for m in pts], [m["time_s"] * 1e3 for m in pts], "o", color=color)
     if oom:
@@ -667,7 +672,7 @@ def _plot(record: dict[str, Any], cost_model: CostModel, path: Path) -> None:
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("tokens per sample S")
-    ax.set_ylabel("step time (ms)")
+    ax.set_ylabel("step time (ms): points measured, lines fitted")
     ax.set_title(str(cost_model), fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
