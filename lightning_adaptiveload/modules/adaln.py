@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_adaptiveload.ops.adaln import adaln_ref
+from lightning_adaptiveload.ops.adaln import adaln, adaln_ref
 
 
 class AdaLayerNorm(nn.Module):
@@ -49,3 +49,32 @@ class AdaLayerNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+class FusedAdaLayerNorm(AdaLayerNorm):
+    """:class:`AdaLayerNorm` computed by the fused CUDA op (:func:`~lightning_adaptiveload.ops.adaln`).
+
+    Same constructor, parameters and ``state_dict`` keys as :class:`AdaLayerNorm`, so checkpoints move
+    freely between the two. On inputs the fused op does not cover it runs the reference and warns once.
+
+    Example::
+
+        fused = FusedAdaLayerNorm.from_module(model.blocks[0].norm1)  # shares the parameters
+    """
+
+    @classmethod
+    def from_module(cls, module: AdaLayerNorm) -> FusedAdaLayerNorm:
+        """A fused twin of ``module`` that shares its parameters (no copy, no re-initialisation)."""
+        if not isinstance(module, AdaLayerNorm):
+            raise TypeError(
+                f"`FusedAdaLayerNorm.from_module({type(module).__name__})` is not valid. Expected an AdaLayerNorm."
+            )
+        fused = cls(module.dim, module.eps, elementwise_affine=False, out_dtype=module.out_dtype)
+        fused.elementwise_affine = module.elementwise_affine
+        fused.weight = module.weight
+        fused.bias = module.bias
+        fused.train(module.training)
+        return fused
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        return adaln(x, scale, shift, self.weight, self.bias, self.eps, self.out_dtype)

@@ -1,0 +1,151 @@
+// PyTorch binding of the AdaLN kernels: checks the tensors, allocates outputs and scratch through
+// the caching allocator and launches on the current stream. The Python side (ops/adaln.py) wraps
+// these functions in torch.library custom ops.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include <optional>
+#include <tuple>
+
+#include "adaln.h"
+
+namespace {
+
+AdalnDtype to_adaln(at::ScalarType t, const char* name) {
+  switch (t) {
+    case at::kFloat: return ADALN_F32;
+    case at::kBFloat16: return ADALN_BF16;
+    case at::kHalf: return ADALN_F16;
+    default: TORCH_CHECK(false, "adaln: `", name, "` has dtype ", t, "; expected float32, bfloat16 or float16");
+  }
+}
+
+void check_3d(const at::Tensor& t, const char* name, int64_t B, int64_t D, const at::Tensor& x) {
+  TORCH_CHECK(t.is_cuda() && t.device() == x.device(), "adaln: `", name, "` must be on ", x.device());
+  TORCH_CHECK(t.dim() == 3 && t.size(0) == B && t.size(2) == D, "adaln: `", name, "` must be [", B, ", 1 or N, ",
+              D, "], got ", t.sizes());
+  TORCH_CHECK(t.stride(2) == 1 || D == 1, "adaln: `", name, "` needs a contiguous last dimension");
+}
+
+int64_t row_stride(const at::Tensor& t) { return t.size(1) == 1 ? 0 : t.stride(1); }
+
+const float* opt_ptr(const std::optional<at::Tensor>& t, const char* name, int64_t D) {
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 1 && t->size(0) == D && t->is_contiguous(),
+              "adaln: `", name, "` must be a contiguous float32 [", D, "] tensor");
+  return t->data_ptr<float>();
+}
+
+void check(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, "adaln: ", what, " failed: ", cudaGetErrorString(err));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_fwd_cuda(const at::Tensor& x, const at::Tensor& scale,
+                                                              const at::Tensor& shift,
+                                                              const std::optional<at::Tensor>& weight,
+                                                              const std::optional<at::Tensor>& bias, double eps,
+                                                              at::ScalarType out_dtype) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 3 && x.stride(2) == 1, "adaln: `x` must be a CUDA [B, N, D] tensor with a contiguous last dimension");
+  const int64_t B = x.size(0), N = x.size(1), D = x.size(2);
+  check_3d(scale, "scale", B, D, x);
+  check_3d(shift, "shift", B, D, x);
+  TORCH_CHECK(scale.scalar_type() == shift.scalar_type(), "adaln: `scale` and `shift` must share a dtype");
+  TORCH_CHECK(weight.has_value() == bias.has_value(), "adaln: pass both `weight` and `bias` or neither");
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto y = at::empty({B, N, D}, x.options().dtype(out_dtype));
+  auto mean = at::empty({B * N}, x.options().dtype(at::kFloat));
+  auto rstd = at::empty({B * N}, x.options().dtype(at::kFloat));
+  AdalnFwdParams p{};
+  p.x = x.data_ptr();
+  p.x_sb = x.stride(0);
+  p.x_sn = x.stride(1);
+  p.scale = scale.data_ptr();
+  p.scale_sb = scale.stride(0);
+  p.scale_sn = row_stride(scale);
+  p.shift = shift.data_ptr();
+  p.shift_sb = shift.stride(0);
+  p.shift_sn = row_stride(shift);
+  p.weight = opt_ptr(weight, "weight", D);
+  p.bias = opt_ptr(bias, "bias", D);
+  p.y = y.data_ptr();
+  p.mean = mean.data_ptr<float>();
+  p.rstd = rstd.data_ptr<float>();
+  p.B = B;
+  p.N = N;
+  p.D = D;
+  p.eps = static_cast<float>(eps);
+  p.x_dtype = to_adaln(x.scalar_type(), "x");
+  p.mod_dtype = to_adaln(scale.scalar_type(), "scale");
+  p.out_dtype = to_adaln(out_dtype, "out_dtype");
+  TORCH_CHECK(adaln_supported(p.x_dtype, p.mod_dtype, p.out_dtype, D), "adaln: no fused kernel for x ",
+              x.scalar_type(), ", scale ", scale.scalar_type(), ", output ", out_dtype, ", D=", D);
+  check(adaln_fwd(p, at::cuda::getCurrentCUDAStream()), "forward launch");
+  return {y, mean, rstd};
+}
+
+// Returns dx, dscale (shaped like scale), dshift ([B, 1, D] per sample; empty per token: it is dy),
+// dweight and dbias (fp32 [D]; empty without an affine).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> adaln_bwd_cuda(
+    const at::Tensor& dy_in, const at::Tensor& x, const at::Tensor& scale, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, const at::Tensor& mean, const at::Tensor& rstd) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 3 && x.stride(2) == 1, "adaln: `x` must be a CUDA [B, N, D] tensor with a contiguous last dimension");
+  const int64_t B = x.size(0), N = x.size(1), D = x.size(2);
+  check_3d(scale, "scale", B, D, x);
+  TORCH_CHECK(dy_in.sizes() == x.sizes(), "adaln: the output gradient must be ", x.sizes(), ", got ", dy_in.sizes());
+  // Autograd may hand in an expanded gradient (stride 0 everywhere, e.g. from y.sum()); the kernel
+  // takes any leading strides but needs a contiguous last dimension.
+  const at::Tensor dy = dy_in.stride(2) == 1 ? dy_in : dy_in.contiguous();
+  TORCH_CHECK(mean.is_contiguous() && rstd.is_contiguous() && mean.numel() == B * N && rstd.numel() == B * N,
+              "adaln: `mean`/`rstd` must be contiguous [B * N]");
+  const bool per_token = scale.size(1) != 1;
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto dx = at::empty({B, N, D}, x.options());
+  auto dscale = at::empty({B, per_token ? N : 1, D}, scale.options());
+  auto dshift = per_token ? at::empty({0}, scale.options()) : at::empty({B, 1, D}, scale.options());
+  const bool affine = weight.has_value();
+  auto dweight = at::empty({affine ? D : 0}, x.options().dtype(at::kFloat));
+  auto dbias = at::empty({affine ? D : 0}, x.options().dtype(at::kFloat));
+  AdalnBwdParams p{};
+  p.dy = dy.data_ptr();
+  p.dy_sb = dy.stride(0);
+  p.dy_sn = dy.stride(1);
+  p.x = x.data_ptr();
+  p.x_sb = x.stride(0);
+  p.x_sn = x.stride(1);
+  p.scale = scale.data_ptr();
+  p.scale_sb = scale.stride(0);
+  p.scale_sn = row_stride(scale);
+  p.weight = opt_ptr(weight, "weight", D);
+  p.bias = opt_ptr(bias, "bias", D);
+  p.mean = mean.data_ptr<float>();
+  p.rstd = rstd.data_ptr<float>();
+  p.dx = dx.data_ptr();
+  p.dscale = dscale.data_ptr();
+  p.dshift = per_token ? nullptr : dshift.data_ptr();
+  p.dweight = affine ? dweight.data_ptr<float>() : nullptr;
+  p.dbias = affine ? dbias.data_ptr<float>() : nullptr;
+  p.B = B;
+  p.N = N;
+  p.D = D;
+  p.per_token = per_token;
+  p.x_dtype = to_adaln(x.scalar_type(), "x");
+  p.mod_dtype = to_adaln(scale.scalar_type(), "scale");
+  p.out_dtype = to_adaln(dy.scalar_type(), "grad_output");
+  TORCH_CHECK(adaln_supported(p.x_dtype, p.mod_dtype, p.out_dtype, D), "adaln: no fused backward for x ",
+              x.scalar_type(), ", scale ", scale.scalar_type(), ", grad ", dy.scalar_type(), ", D=", D);
+  const size_t bytes = adaln_bwd_workspace_bytes(p);
+  // The caching allocator returns blocks aligned far beyond the 16 bytes the kernels need.
+  auto workspace = at::empty({static_cast<int64_t>((bytes + 3) / 4)}, x.options().dtype(at::kFloat));
+  p.workspace = workspace.data_ptr<float>();
+  check(adaln_bwd(p, at::cuda::getCurrentCUDAStream()), "backward launch");
+  return {dx, dscale, dshift, dweight, dbias};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("fwd", &adaln_fwd_cuda, "AdaLN forward: (y, mean, rstd)");
+  m.def("bwd", &adaln_bwd_cuda, "AdaLN backward: (dx, dscale, dshift, dweight, dbias)");
+  m.attr("max_d") = ADALN_MAX_D;
+}

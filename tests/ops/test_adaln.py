@@ -1,0 +1,323 @@
+"""AdaLN: the public op, its fallback, the custom-op plumbing and (on a GPU) the fused kernel."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+
+import pytest
+import torch
+
+from lightning_adaptiveload.ops import adaln, adaln_ref
+
+# The module, not the function `adaln` that the package re-exports under the same name.
+ops = importlib.import_module("lightning_adaptiveload.ops.adaln")
+
+
+def _ref64(x, scale, shift, weight=None, bias=None, eps=1e-6):
+    """adaln_ref in float64 (the precision every check compares against)."""
+    d = lambda t: None if t is None else t.detach().double().requires_grad_(t.requires_grad)  # noqa: E731
+    return adaln_ref(d(x), d(scale), d(shift), d(weight), d(bias), eps, torch.float64)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU: public API, errors, fallback.
+
+
+def test_cpu_falls_back_to_reference_and_warns_once():
+    ops._warned.clear()
+    x, s, h = torch.randn(2, 5, 16), torch.randn(2, 16), torch.randn(2, 1, 16)
+    with pytest.warns(UserWarning, match="needs CUDA"):
+        y = adaln(x, s, h)
+    torch.testing.assert_close(y, adaln_ref(x, s, h), rtol=0, atol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        adaln(x, s, h)  # the same reason is not repeated
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        ({"x": torch.randn(4, 8)}, ValueError, "`x` must be a \\[B, N, D\\]"),
+        ({"scale": torch.randn(2, 7)}, ValueError, "`scale` has shape \\(2, 7\\)"),
+        ({"shift": torch.randn(3, 1, 8)}, ValueError, "`shift` has shape"),
+        ({"scale": torch.randn(2, 4, 8)}, ValueError, "`scale`"),
+        ({"x": torch.randint(0, 3, (2, 5, 8))}, TypeError, "`x` has dtype torch.int64"),
+        ({"weight": torch.ones(8)}, ValueError, "both `weight` and `bias`"),
+        ({"weight": torch.ones(7), "bias": torch.zeros(7)}, ValueError, "`weight` must be"),
+        ({"eps": 0.0}, ValueError, "`eps=0.0`"),
+        ({"out_dtype": torch.int32}, TypeError, "`out_dtype=torch.int32`"),
+    ],
+)
+def test_bad_inputs_name_the_argument(kwargs, exc, match):
+    args = {"x": torch.randn(2, 5, 8), "scale": torch.randn(2, 8), "shift": torch.randn(2, 8)}
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        adaln(**args)
+
+
+@pytest.mark.parametrize("mod_shape", [(2, 16), (2, 1, 16), (1, 1, 16), (2, 5, 16)])
+def test_cpu_public_api_matches_float64(mod_shape):
+    x = torch.randn(2, 5, 16)
+    s, h = torch.randn(mod_shape), torch.randn(mod_shape)
+    y = adaln(x, s, h)
+    assert _rel(y, _ref64(x, s, h)) < 1e-6
+
+
+def test_reference_output_dtype_is_promoted_unless_given():
+    x = torch.randn(2, 3, 8, dtype=torch.bfloat16)
+    s, h = torch.randn(2, 8), torch.randn(2, 8)
+    assert adaln(x, s, h).dtype == torch.float32
+    assert adaln(x, s.bfloat16(), h.bfloat16()).dtype == torch.bfloat16
+    assert adaln(x, s, h, out_dtype=torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_unsupported_reasons_name_the_limit():
+    x = torch.randn(1, 2, 8)
+    assert "CUDA" in ops._unsupported_reason(x, x[:, :1], x[:, :1], None, torch.float32)
+    meta = torch.empty(1, 2, 8192, device="meta")
+    # A non-CUDA device is reported before the size; the size check itself is exercised on the GPU.
+    assert ops._unsupported_reason(meta, meta[:, :1], meta[:, :1], None, torch.float32) is not None
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU: the custom-op plumbing (fake kernel, autograd, compile) with the extension emulated in PyTorch,
+# so a CI machine without a GPU still checks everything but the CUDA code.
+
+
+class _EmulatedExtension:
+    @staticmethod
+    def fwd(x, scale, shift, weight, bias, eps, out_dtype):
+        xf = x.float()
+        mean = xf.mean(-1)
+        rstd = torch.rsqrt(xf.var(-1, unbiased=False) + eps)
+        xh = (xf - mean[..., None]) * rstd[..., None]
+        xa = xh if weight is None else xh * weight + bias
+        y = xa * (1 + scale.float()) + shift.float()
+        return y.to(out_dtype), mean.reshape(-1), rstd.reshape(-1)
+
+    @staticmethod
+    def bwd(dy, x, scale, weight, bias, mean, rstd):
+        B, N, D = x.shape
+        g = dy.float()
+        xh = (x.float() - mean.view(B, N, 1)) * rstd.view(B, N, 1)
+        xa = xh if weight is None else xh * weight + bias
+        gv = g * (1 + scale.float())
+        per_token = scale.shape[1] != 1
+        dscale = g * xa if per_token else (g * xa).sum(1, keepdim=True)
+        dshift = scale.new_empty(0) if per_token else g.sum(1, keepdim=True).to(scale.dtype)
+        dw = (gv * xh).sum((0, 1)) if weight is not None else x.new_empty(0, dtype=torch.float32)
+        db = gv.sum((0, 1)) if weight is not None else x.new_empty(0, dtype=torch.float32)
+        gx = gv if weight is None else gv * weight
+        dx = rstd.view(B, N, 1) * (gx - gx.mean(-1, keepdim=True) - xh * (gx * xh).mean(-1, keepdim=True))
+        return dx.to(x.dtype), dscale.to(scale.dtype), dshift, dw, db
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    monkeypatch.setattr(ops, "_extension", _EmulatedExtension())
+    monkeypatch.setattr(ops, "_unsupported_reason", lambda *a: None)
+
+
+def _grads(fn, x, s, h, w, b):
+    y = fn(x, s, h, w, b)
+    gy = torch.randn_like(y)
+    ts = [t for t in (x, s, h, w, b) if t is not None]
+    return y, torch.autograd.grad(y, ts, gy)
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("affine", [False, True])
+def test_cpu_plumbing_gradients_match_reference(emulated, per_token, affine):
+    torch.manual_seed(0)
+    B, N, D = 2, 3, 8
+    x = torch.randn(B, N, D, dtype=torch.float64, requires_grad=True)
+    e = torch.randn(B, 6, D, dtype=torch.float64, requires_grad=True)
+    s, h = (torch.randn(B, N, D, dtype=torch.float64, requires_grad=True) for _ in range(2)) if per_token else (
+        e.chunk(6, dim=1)[1],
+        e.chunk(6, dim=1)[0],
+    )
+    w = torch.randn(D, dtype=torch.float64, requires_grad=True) if affine else None
+    b = torch.randn(D, dtype=torch.float64, requires_grad=True) if affine else None
+    torch.manual_seed(1)
+    y, g = _grads(lambda *a: adaln(*a, out_dtype=torch.float64), x, s, h, w, b)
+    torch.manual_seed(1)
+    y_ref, g_ref = _grads(lambda *a: adaln_ref(*a, out_dtype=torch.float64), x, s, h, w, b)
+    # The emulated kernel, like the real one, computes in float32.
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    for a, r in zip(g, g_ref, strict=True):
+        torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_plumbing_opcheck(emulated):
+    x = torch.randn(2, 3, 8)
+    s, h = torch.randn(2, 1, 8), torch.randn(2, 1, 8)
+    torch.library.opcheck(ops.adaln_fwd, (x, s, h, None, None, 1e-6, torch.float32))
+    y, mean, rstd = ops.adaln_fwd(x, s, h, None, None, 1e-6, torch.float32)
+    torch.library.opcheck(ops.adaln_bwd, (torch.randn_like(y), x, s, None, None, mean, rstd))
+
+
+def test_cpu_plumbing_compiles_fullgraph(emulated):
+    torch._dynamo.reset()
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    s, h = torch.randn(2, 8, requires_grad=True), torch.randn(2, 8)
+    fn = torch.compile(lambda x, s, h: adaln(x, s, h).square().sum(), fullgraph=True, backend="aot_eager")
+    out = fn(x, s, h)
+    out.backward()
+    torch.testing.assert_close(out, adaln_ref(x, s, h).square().sum())
+    assert x.grad is not None and s.grad is not None
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA: the fused kernel against a float64 reference.
+
+DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 4e-3)]
+
+
+def _make(B, N, D, dtype, mod, mod_dtype, affine, device="cuda"):
+    x = torch.randn(B, N, D, device=device, dtype=dtype) * 2 + 0.5
+    if mod == "chunk":
+        e = torch.randn(B, 6, D, device=device, dtype=mod_dtype) * 0.5
+        s, h = e.chunk(6, dim=1)[1], e.chunk(6, dim=1)[3]
+    elif mod == "token":
+        s, h = (torch.randn(B, N, D, device=device, dtype=mod_dtype) * 0.5 for _ in range(2))
+    else:
+        s, h = (torch.randn(B, D, device=device, dtype=mod_dtype) * 0.5 for _ in range(2))
+    w = torch.randn(D, device=device) if affine else None
+    b = torch.randn(D, device=device) if affine else None
+    return x, s, h, w, b
+
+
+def _check_fused(B, N, D, dtype, tol, mod="sample", mod_dtype=torch.float32, affine=False, out_dtype=None):
+    x, s, h, w, b = _make(B, N, D, dtype, mod, mod_dtype, affine)
+    leaves = [t.requires_grad_() for t in (x, s, h, w, b) if t is not None and t.is_leaf]
+    assert ops._unsupported_reason(x, s, h, w, out_dtype or ops._out_dtype(x, s, h)) is None
+    y = adaln(x, s, h, w, b, out_dtype=out_dtype)
+    y64 = _ref64(x, s, h, w, b)
+    assert y.dtype == (out_dtype or ops._out_dtype(x, s, h))
+    assert _rel(y, y64) < tol, _rel(y, y64)
+    gy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, leaves, gy)
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    if mod == "chunk":  # rebuild the views on the float64 leaf
+        x64, e64 = leaves64[0], leaves64[1]
+        args = (x64, e64.chunk(6, 1)[1], e64.chunk(6, 1)[3], *leaves64[2:])
+    else:
+        args = tuple(leaves64)
+    ref = adaln_ref(*args, out_dtype=torch.float64)
+    grads64 = torch.autograd.grad(ref, leaves64, gy.double())
+    for name, g, g64 in zip(("x", "scale", "shift", "weight", "bias")[: len(grads)], grads, grads64, strict=True):
+        assert _rel(g, g64) < tol * 2, (name, _rel(g, g64))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("dtype", "tol"), DTYPES)
+@pytest.mark.parametrize(("B", "N", "D"), [(1, 1, 1023), (3, 7, 256), (2, 7, 64), (2, 7, 1000), (1, 7, 5121)])
+def test_fused_odd_shapes(B, N, D, dtype, tol):
+    if D > ops._MAX_D_ANY:
+        x = torch.randn(B, N, D, device="cuda", dtype=dtype)
+        assert "D=" in ops._unsupported_reason(x, x[:, :1], x[:, :1], None, ops._out_dtype(x, x, x))
+        return
+    _check_fused(B, N, D, dtype, tol)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("dtype", "tol"), DTYPES)
+@pytest.mark.parametrize("mod", ["sample", "chunk", "token"])
+@pytest.mark.parametrize("affine", [False, True])
+@pytest.mark.parametrize(("N", "D"), [(1, 1536), (7, 5120), (32760, 1536)])
+def test_fused_matches_float64(dtype, tol, mod, affine, N, D):
+    _check_fused(2 if N < 1000 else 1, N, D, dtype, tol, mod=mod, affine=affine)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("dtype", "tol"), DTYPES[1:])
+def test_fused_modulation_in_x_dtype_and_bf16_output(dtype, tol):
+    _check_fused(2, 33, 1536, dtype, tol, mod="chunk", mod_dtype=dtype)
+    _check_fused(2, 33, 1536, dtype, tol, out_dtype=torch.bfloat16)
+    _check_fused(2, 33, 1536, torch.float32, 2e-2, mod="chunk", out_dtype=torch.bfloat16)
+
+
+@pytest.mark.cuda
+def test_fused_non_contiguous_x_and_large_batch():
+    base = torch.randn(3, 9, 2 * 768, device="cuda")
+    x = base[:, ::2, :768].requires_grad_()  # strided rows
+    s, h = torch.randn(3, 768, device="cuda"), torch.randn(3, 768, device="cuda")
+    torch.testing.assert_close(adaln(x, s, h), adaln_ref(x, s, h), atol=1e-5, rtol=1e-5)
+    x = torch.randn(70000, 1, 64, device="cuda")  # B beyond grid.y limits
+    s, h = torch.randn(70000, 64, device="cuda"), torch.randn(70000, 64, device="cuda")
+    torch.testing.assert_close(adaln(x, s, h), adaln_ref(x, s, h), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.cuda
+def test_fused_backward_is_deterministic():
+    x, s, h, w, b = _make(1, 32760, 1536, torch.bfloat16, "chunk", torch.float32, True)
+    leaves = [t.requires_grad_() for t in (x, s, h, w, b) if t.is_leaf]
+    y = adaln(x, s, h, w, b)
+    gy = torch.randn_like(y)
+    g1 = torch.autograd.grad(y, leaves, gy, retain_graph=True)
+    g2 = torch.autograd.grad(y, leaves, gy)
+    for a, c in zip(g1, g2, strict=True):
+        assert torch.equal(a, c)
+
+
+@pytest.mark.cuda
+def test_fused_opcheck():
+    x, s, h, w, b = _make(2, 7, 256, torch.bfloat16, "sample", torch.float32, True)
+    s, h = s[:, None], h[:, None]
+    torch.library.opcheck(ops.adaln_fwd, (x, s, h, w, b, 1e-6, torch.float32))
+    y, mean, rstd = ops.adaln_fwd(x, s, h, w, b, 1e-6, torch.float32)
+    torch.library.opcheck(ops.adaln_bwd, (torch.randn_like(y), x, s, w, b, mean, rstd))
+
+
+@pytest.mark.cuda
+def test_fused_under_torch_compile_fullgraph():
+    torch._dynamo.reset()
+    x, s, h, _, _ = _make(1, 1000, 1536, torch.bfloat16, "chunk", torch.float32, False)
+    x.requires_grad_()
+    fn = torch.compile(lambda x, s, h: adaln(x, s, h, out_dtype=torch.bfloat16), fullgraph=True)
+    y = fn(x, s, h)
+    gy = torch.randn_like(y)
+    (gx,) = torch.autograd.grad(y, x, gy)
+    y_e = adaln(x, s, h, out_dtype=torch.bfloat16)
+    (gx_e,) = torch.autograd.grad(y_e, x, gy)
+    assert torch.equal(y, y_e) and torch.equal(gx, gx_e)
+
+
+@pytest.mark.cuda
+def test_fused_with_activation_checkpointing():
+    from torch.utils.checkpoint import checkpoint
+
+    x, s, h, w, b = _make(2, 100, 512, torch.bfloat16, "sample", torch.float32, True)
+    leaves = [t.requires_grad_() for t in (x, s, h, w, b)]
+    y = checkpoint(lambda *a: adaln(*a).square(), x, s, h, w, b, use_reentrant=False)
+    g = torch.autograd.grad(y.sum(), leaves)
+    g_ref = torch.autograd.grad(adaln(x, s, h, w, b).square().sum(), leaves)
+    for a, c in zip(g, g_ref, strict=True):
+        assert torch.equal(a, c)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not os.environ.get("ADALN_TEST_HUGE"), reason="set ADALN_TEST_HUGE=1 (needs ~20 GB, slow)")
+def test_fused_beyond_2_31_elements():
+    B, N, D = 1, 2**31 // 1024 + 7, 1024  # 2^31 + 7168 elements
+    x = torch.randn(B, N, D, device="cuda", dtype=torch.bfloat16)
+    s, h = torch.randn(B, D, device="cuda"), torch.randn(B, D, device="cuda")
+    y = adaln(x, s, h, out_dtype=torch.bfloat16)
+    tail = slice(N - 64, N)
+    torch.testing.assert_close(y[:, tail], adaln_ref(x[:, tail], s, h, out_dtype=torch.bfloat16), atol=2e-2, rtol=2e-2)
+    gy = torch.randn_like(y)
+    del y
+    x.requires_grad_()
+    y = adaln(x, s, h, out_dtype=torch.bfloat16)
+    (gx,) = torch.autograd.grad(y, x, gy)
+    xt = x[:, tail].detach().requires_grad_()
+    (gx_ref,) = torch.autograd.grad(adaln_ref(xt, s, h, out_dtype=torch.bfloat16), xt, gy[:, tail])
+    torch.testing.assert_close(gx[:, tail], gx_ref, atol=2e-2, rtol=2e-2)
