@@ -47,7 +47,9 @@ class ShapeBenchmarkCallback(Callback):
     ``pl_module.synthetic_batch(B, grid, device)`` through the live strategy (``warmup`` untimed
     steps, then the median of ``repeats``; the maximum over ranks). Peak memory is recorded on CUDA.
     A shape that runs out of memory on any rank is marked infeasible on every rank, and larger
-    batches of that sequence length are skipped.
+    batches of that sequence length are skipped. (Recovery assumes every rank fails the same shape,
+    as they do under FSDP with identical shapes; a rank failing alone inside a collective would stall
+    the others, so the first pass uses the smallest batches.)
 
     It then fits a :class:`~lightning_adaptiveload.costmodel.CostModel` (and on CUDA a
     :class:`~lightning_adaptiveload.costmodel.MemoryModel`), broadcasts rank 0's fit, derives
