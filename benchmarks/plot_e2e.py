@@ -91,7 +91,7 @@ def plot_loss(result: dict[str, Any], path: Path) -> Path | None:
     if not runs:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for name, run in runs.items():
+    for run in runs.values():
         loss = np.asarray(run["per_step"]["loss"]).mean(axis=0)
         samples = np.cumsum(np.asarray(run["per_step"]["batch_size"]).sum(axis=0))
         k = max(1, min(10, len(loss) // 5))
