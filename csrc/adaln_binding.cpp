@@ -1,7 +1,7 @@
 // PyTorch binding of the AdaLN kernels: checks the tensors, allocates outputs and scratch through
 // the caching allocator and launches on the current stream. The Python side (ops/adaln.py) wraps
 // these functions in torch.library custom ops.
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
@@ -80,7 +80,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_fwd_cuda(const at::Tensor& 
   p.out_dtype = to_adaln(out_dtype, "out_dtype");
   TORCH_CHECK(adaln_supported(p.x_dtype, p.mod_dtype, p.out_dtype, D), "adaln: no fused kernel for x ",
               x.scalar_type(), ", scale ", scale.scalar_type(), ", output ", out_dtype, ", D=", D);
-  check(adaln_fwd(p, at::cuda::getCurrentCUDAStream()), "forward launch");
+  check(adaln_fwd(p, c10::cuda::getCurrentCUDAStream()), "forward launch");
   return {y, mean, rstd};
 }
 
@@ -138,7 +138,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> adaln_bwd
   // The caching allocator returns blocks aligned far beyond the 16 bytes the kernels need.
   auto workspace = at::empty({static_cast<int64_t>((bytes + 3) / 4)}, x.options().dtype(at::kFloat));
   p.workspace = workspace.data_ptr<float>();
-  check(adaln_bwd(p, at::cuda::getCurrentCUDAStream()), "backward launch");
+  check(adaln_bwd(p, c10::cuda::getCurrentCUDAStream()), "backward launch");
   return {dx, dscale, dshift, dweight, dbias};
 }
 

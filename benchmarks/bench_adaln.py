@@ -1,0 +1,143 @@
+"""AdaLN forward and forward+backward on one GPU: eager, torch.compile, Liger LayerNorm + eager
+modulate, and the fused kernel, as time and as a fraction of the measured copy bandwidth.
+
+Every provider computes ``LN(x)·(1 + e1) + e0`` with Wan's modulation (strided chunk views of an fp32
+[B, 6, D] tensor) and a bf16 output. "Bytes" are the fewest any implementation must move: forward
+reads x and writes y; forward+backward also reads dy and writes dx (modulation and statistics are
+counted too, they are small). Activation memory is what the forward keeps alive for backward beyond
+its inputs and output.
+
+    python benchmarks/bench_adaln.py --out benchmarks/results/adaln_h200
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+
+import torch
+import triton.testing
+
+from lightning_adaptiveload.ops import adaln, adaln_ref
+
+SHAPES = [(1, 32760, 1536), (2, 16380, 1536), (1, 75600, 5120), (1, 64000, 3072), (4, 1560, 1536)]
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (the roofline)."""
+    src = torch.randn(2**28, device="cuda")  # 1 GiB
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    return 2 * src.numel() * 4 / (ms * 1e-3)
+
+
+def _liger():
+    try:
+        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+    except ImportError:
+        return None
+
+    def fn(x, s, h, w, b):
+        return (LigerLayerNormFunction.apply(x, w, b, 1e-6) * (1 + s) + h).to(torch.bfloat16)
+
+    return fn
+
+
+def providers():
+    out = {
+        "eager": lambda x, s, h, w, b: adaln_ref(x, s, h, out_dtype=torch.bfloat16),
+        "compile": torch.compile(lambda x, s, h, w, b: adaln_ref(x, s, h, out_dtype=torch.bfloat16), dynamic=False),
+        "ours": lambda x, s, h, w, b: adaln(x, s, h, out_dtype=torch.bfloat16),
+    }
+    liger = _liger()
+    if liger is not None:
+        out["liger_ln+eager"] = liger
+    return out
+
+
+def bench_one(fn, B, N, D, dtype):
+    x = torch.randn(B, N, D, device="cuda", dtype=dtype, requires_grad=True)
+    e = (torch.randn(B, 6, D, device="cuda") * 0.1).requires_grad_()
+    w = torch.ones(D, device="cuda", dtype=dtype)
+    b = torch.zeros(D, device="cuda", dtype=dtype)
+
+    def fwd():
+        ch = e.chunk(6, dim=1)
+        return fn(x, ch[1], ch[0], w, b)
+
+    gy = torch.randn(B, N, D, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        t_fwd = triton.testing.do_bench(fwd, warmup=10, rep=60, return_mode="median")
+    t_fb = triton.testing.do_bench(
+        lambda: torch.autograd.grad(fwd(), (x, e), gy), warmup=10, rep=60, return_mode="median"
+    )
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    y = fwd()
+    kept = torch.cuda.memory_allocated() - before - y.numel() * y.element_size()
+    del y
+    return t_fwd, t_fb, kept
+
+
+HEADER = f"{'shape':>18} {'x':>4} {'provider':>15} {'fwd ms':>8} {'fwd %bw':>7} {'f+b ms':>8} {'f+b %bw':>7} {'act MB':>8}"
+
+
+def _fmt(r: dict) -> str:
+    return (
+        f"{str((r['B'], r['N'], r['D'])):>18} {r['x_dtype']:>4} {r['provider']:>15} {r['fwd_ms']:8.3f} "
+        f"{100 * r['fwd_frac_copy_bw']:6.1f}% {r['fwd_bwd_ms']:8.3f} {100 * r['fwd_bwd_frac_copy_bw']:6.1f}% "
+        f"{r['activation_mb']:8.1f}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results/adaln_h200")
+    parser.add_argument("--shapes", default="all", help="'all' or 'quick' (first shape only)")
+    args = parser.parse_args()
+    torch._dynamo.config.cache_size_limit = 64
+    bw = copy_bandwidth()
+    rows = []
+    shapes = SHAPES if args.shapes == "all" else SHAPES[:1]
+    print(f"copy bandwidth: {bw / 1e9:.0f} GB/s on {torch.cuda.get_device_name()}")
+    for B, N, D in shapes:
+        for dname, dtype in DTYPES.items():
+            elems = B * N * D
+            xs = torch.empty((), dtype=dtype).element_size()
+            mod = 2 * B * D * 4
+            fwd_bytes = elems * (xs + 2) + mod + 8 * B * N
+            fb_bytes = fwd_bytes + elems * (2 + xs + xs) + 2 * mod + 8 * B * N  # fwd, then read x, dy; write dx
+            for name, fn in providers().items():
+                try:
+                    t_fwd, t_fb, kept = bench_one(fn, B, N, D, dtype)
+                except Exception as err:  # a peer failing on a shape is a result, not a crash
+                    print(f"{name} failed at {(B, N, D)} {dname}: {type(err).__name__}: {str(err)[:200]}")
+                    t_fwd = t_fb = kept = math.nan
+                rows.append(
+                    {
+                        "B": B, "N": N, "D": D, "x_dtype": dname, "provider": name,
+                        "fwd_ms": t_fwd, "fwd_bwd_ms": t_fb,
+                        "fwd_frac_copy_bw": fwd_bytes / (t_fwd * 1e-3) / bw,
+                        "fwd_bwd_frac_copy_bw": fb_bytes / (t_fb * 1e-3) / bw,
+                        "activation_mb": kept / 1e6,
+                    }
+                )
+                torch.cuda.empty_cache()
+                print(_fmt(rows[-1]), flush=True)
+    print(HEADER)
+    for r in rows:
+        print(_fmt(r))
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_gbps": bw / 1e9}
+    with open(args.out + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    with open(args.out + ".csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()
