@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end benchmark on one multi-GPU host (written for nvidia-h200-x2; runs unchanged on x8).
 #
-# Run from the repository root with the offline wheels in .whl/ (see the device README):
+# Run from the repository root with the offline wheels (hydra-core, omegaconf, antlr4, torchdata) in .whl/:
 #     bash benchmarks/run_e2e_device.sh                 # all GPUs of the host
 #     NPROC=1 bash benchmarks/run_e2e_device.sh --steps 20
 # Extra arguments go to benchmarks/bench_e2e.py. Everything is written under $OUT
