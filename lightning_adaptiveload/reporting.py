@@ -8,8 +8,6 @@ from lightning.pytorch.utilities import rank_zero_only
 from rich.console import Console
 from rich.table import Table
 
-from lightning_adaptiveload.bucketing.sampler import AdaptiveBucketBatchSampler
-
 
 def bucket_plan_table(datamodule: Any, world_size: int = 1) -> tuple[Table, dict[str, Any]]:
     """Build the bucket-plan table of an ``AdaptiveLoadDataModule`` for ``world_size`` ranks.
@@ -17,17 +15,7 @@ def bucket_plan_table(datamodule: Any, world_size: int = 1) -> tuple[Table, dict
     Returns the rich table (one row per token grid: S, samples, B, batches, relative compute per
     batch) and the epoch plan's statistics (steps, padding, predicted compute CV, bubble).
     """
-    sampler = AdaptiveBucketBatchSampler(
-        datamodule.shapes,
-        datamodule.policy,
-        num_replicas=world_size,
-        rank=0,
-        seed=datamodule.seed,
-        shuffle=datamodule.shuffle,
-        drop_last=datamodule.drop_last,
-        balance=datamodule.balance,
-        cost_model=datamodule.cost_model,
-    )
+    sampler = datamodule.make_sampler(world_size, 0)
     stats = sampler.plan_stats
     rows = sampler.bucket_table()
     p = getattr(datamodule.policy, "cost_exponent", 2.0)

@@ -174,13 +174,12 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
     def setup(self, stage: str) -> None:
         self._check_trainer()
 
-    def train_dataloader(self) -> DataLoader:
-        self._check_trainer()
-        world_size, rank = self._world()
-        sampler = AdaptiveBucketBatchSampler(
+    def make_sampler(self, num_replicas: int = 1, rank: int = 0) -> AdaptiveBucketBatchSampler:
+        """A batch sampler with this DataModule's dataset shapes, policy and settings."""
+        return AdaptiveBucketBatchSampler(
             self.shapes,
             self.policy,
-            num_replicas=world_size,
+            num_replicas=num_replicas,
             rank=rank,
             seed=self.seed,
             shuffle=self.shuffle,
@@ -188,6 +187,11 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             balance=self.balance,
             cost_model=self.cost_model,
         )
+
+    def train_dataloader(self) -> DataLoader:
+        self._check_trainer()
+        world_size, rank = self._world()
+        sampler = self.make_sampler(world_size, rank)
         trainer = self.trainer
         if trainer is not None:
             sampler.set_epoch(trainer.fit_loop.epoch_progress.current.processed)
