@@ -94,10 +94,10 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-samples", type=int, default=20_000, help="corpus size (shapes only matter)")
     p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {list(RUNS)}")
     p.add_argument("--steps", type=int, default=40, help="measured steps per run (after warm-up)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps at the start of each run")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of each run")
     p.add_argument("--loss-steps", type=int, default=200,
                    help=f"measured steps of the fidelity runs {LOSS_RUNS} (their loss curves are compared)")
-    p.add_argument("--solo-steps", type=int, default=12,
+    p.add_argument("--solo-steps", type=int, default=8,
                    help="steps per run replayed on an unsharded local copy to time each rank's compute alone")
     p.add_argument("--max-tokens", type=int, default=65_520,
                    help="equal-token budget B*S (the longest 480p clip, S=32,760, at B=2)")
@@ -428,6 +428,29 @@ def _derive_policy(profile: dict, grids: np.ndarray, args: argparse.Namespace, d
 
 
 # ----------------------------------------------------------------------------- runs
+def _warm_shapes(module, policies: dict, grids: np.ndarray, args, d: _Dist) -> dict[str, Any]:
+    """One untimed forward + backward of every (B, S) the runs' policies produce.
+
+    Attention and GEMM back ends pick (and some build) kernels per shape on first use; without
+    this, the run that meets a shape first would pay for it inside its measured steps. Weights,
+    optimizer and RNG stream are left as they were (as in the shape benchmark).
+    """
+    start = time.perf_counter()
+    seq, first = np.unique(grids.prod(axis=1), return_index=True)
+    pairs = sorted({(int(b), tuple(int(v) for v in grids[i]))
+                    for pol in policies.values() for b, i in zip(pol.batch_sizes(seq), first, strict=True)})
+    rng_cpu = torch.get_rng_state()
+    rng_dev = torch.cuda.get_rng_state(d.device) if d.device.type == "cuda" else None
+    for b, grid in pairs:
+        _forward_backward(module, module.synthetic_batch(b, grid, device=d.device, seed=args.seed), d)
+        module.model.zero_grad(set_to_none=True)
+    d.sync()
+    torch.set_rng_state(rng_cpu)
+    if rng_dev is not None:
+        torch.cuda.set_rng_state(rng_dev, d.device)
+    return {"shapes": len(pairs), "seconds": time.perf_counter() - start}
+
+
 def _sampler(grids, policy, balance, cost_model, args, d: _Dist, rank: int | None = None):
     return AdaptiveBucketBatchSampler(grids, policy, num_replicas=d.world, rank=d.rank if rank is None else rank,
                                       seed=args.seed, shuffle=True, balance=balance, cost_model=cost_model)
@@ -453,9 +476,11 @@ def _run(name: str, spec: dict, n_steps: int, deadline: float, ctx: dict, args, 
     if d.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(d.device)
     rows, replay, total = [], [], args.warmup + n_steps
-    wall_start = None
+    wall_start = wall_end = None
     stop = torch.zeros(1, device=d.device)
     for step in range(total):
+        if step == args.warmup:
+            wall_start = time.perf_counter()
         indices, batch = next(stream)
         b, s = len(indices), int(np.prod(grids[indices[0]]))
         # The all-reduce is the per-step barrier (ranks start together) and the shared stop vote.
@@ -464,8 +489,6 @@ def _run(name: str, spec: dict, n_steps: int, deadline: float, ctx: dict, args, 
         d.sync()
         if stop.item() > 0:
             break
-        if step == args.warmup:
-            wall_start = time.perf_counter()
         t0 = time.perf_counter()
         loss = _forward_backward(module, batch, d)
         opt.step()
@@ -473,11 +496,13 @@ def _run(name: str, spec: dict, n_steps: int, deadline: float, ctx: dict, args, 
         d.sync()
         t1 = time.perf_counter()
         if step >= args.warmup:
+            wall_end = t1
             rows.append([t1 - t0, b * s, b, s, float(cm.predict(b, s)), float(loss.item())])
             replay.append(indices)
         del batch
     d.sync()
-    wall = time.perf_counter() - wall_start if wall_start is not None else 0.0
+    # Wall time of the measured steps: data generation, the per-step barrier and the step itself.
+    wall = wall_end - wall_start if wall_end is not None else 0.0
     # Every rank took the same number of steps (shared stop vote), so the arrays line up.
     peak = torch.cuda.max_memory_allocated(d.device) if d.device.type == "cuda" else 0
     del stream, module, opt
@@ -775,6 +800,9 @@ def _main(args: argparse.Namespace, d: _Dist, t_start: float) -> dict[str, Any]:
             f"({derived['step_budget_source']})\nequal-token: {ctx['policies']['equal_token']!r}\n"
             f"dual-constraint: {derived['policy']!r}")
 
+    ctx["shape_warmup"] = _warm_shapes(prebuilt[0], ctx["policies"], grids, args, d)
+    _log(d, f"warmed {ctx['shape_warmup']['shapes']} (B, S) shapes in {ctx['shape_warmup']['seconds']:.1f} s")
+
     remaining = deadline_all - time.perf_counter() - _RESERVE_S
     steps = _allot_steps(names, ctx, args, d, remaining)
     cut = {n: s for n, s in steps.items() if s < (args.loss_steps if n in LOSS_RUNS else args.steps)}
@@ -810,6 +838,7 @@ def _main(args: argparse.Namespace, d: _Dist, t_start: float) -> dict[str, Any]:
         "data": {"mixture": args.mixture, "num_samples": args.num_samples, "source": args.data,
                  "buckets": dataset.describe()},
         "fused_build": ctx.get("fused_build"),
+        "shape_warmup": ctx["shape_warmup"],
         "shape_benchmark": {"points": profile["points"], "cost_model": cm.to_dict(),
                             "memory_model": None if profile["memory_model"] is None else profile["memory_model"].to_dict(),
                             "overhead_s": profile["overhead_s"]},
