@@ -339,7 +339,8 @@ class ShapeBenchmarkCallback(Callback):
                 "Raise `time_budget_s` or `max_shapes`, or pass more `batch_sizes`."
             ) from err
         held = cost_model.quality.get("heldout_median_rel_error", float("nan"))
-        if not held <= _POOR_FIT_REL_ERROR:
+        # NaN: too few points to hold any out; CostModel.fit already warned about that.
+        if held > _POOR_FIT_REL_ERROR:
             rank_zero_warn(
                 f"`ShapeBenchmarkCallback`: the cost model predicts held-out shapes with a median error of "
                 f"{held:.0%}; timings are noisy (a busy device?) or the shapes too small. Raise `repeats` "
