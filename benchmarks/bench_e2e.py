@@ -388,26 +388,30 @@ def _shape_benchmark(module, args, grids: np.ndarray, d: _Dist) -> dict[str, Any
     s = np.array([p["seq_len"] for p in ok])
     fit_payload = None
     if d.is_main:
-        cm = CostModel.fit(b, s, np.array([p["time_s"] for p in ok]), form="auto")
+        times = np.array([p["time_s"] for p in ok])
+        cm = CostModel.fit(b, s, times, form="auto")
+        # The paper's policy needs the power form; "auto" may prefer the quadratic one, which
+        # then only drives the cost balancing and the simulator.
+        power = cm if cm.form == "power" else CostModel.fit(b, s, times, form="power")
         mm = None
         if d.device.type == "cuda" and len(np.unique(b * s)) >= 2:
             with contextlib.suppress(ValueError):
                 mm = MemoryModel.fit(b, s, np.array([p["peak_bytes"] for p in ok]))
-        fit_payload = (cm.to_json(), None if mm is None else mm.to_dict())
+        fit_payload = (cm.to_json(), power.to_json(), None if mm is None else mm.to_dict())
     # Invariant: every rank plans with rank 0's fit.
-    cm_json, mm_dict = d.broadcast_obj(fit_payload)
+    cm_json, power_json, mm_dict = d.broadcast_obj(fit_payload)
     cost_model = CostModel.from_json(cm_json)
     memory_model = None if mm_dict is None else MemoryModel.from_dict(mm_dict)
     oom_tokens = [p["batch_size"] * p["seq_len"] for p in points if p["status"] == "oom"]
-    return {"points": points, "cost_model": cost_model, "memory_model": memory_model,
+    return {"points": points, "cost_model": cost_model, "power_model": CostModel.from_json(power_json),
+            "memory_model": memory_model,
             "oom_tokens": oom_tokens, "overhead_s": time.perf_counter() - start}
 
 
 def _derive_policy(profile: dict, grids: np.ndarray, args: argparse.Namespace, d: _Dist) -> dict[str, Any]:
-    """``m_mem`` and the step budget, then ``cost_model.policy(m_mem, step_budget)``."""
+    """``m_mem`` and the step budget, then the paper's ``DualConstraintPolicy`` from the power-law fit."""
     seq = grids.prod(axis=1)
     s_max = int(seq.max())
-    cm: CostModel = profile["cost_model"]
     mm: MemoryModel | None = profile["memory_model"]
     if args.m_mem:
         m_mem, source = args.m_mem, "--m-mem"
@@ -421,8 +425,9 @@ def _derive_policy(profile: dict, grids: np.ndarray, args: argparse.Namespace, d
     if m_mem < s_max:
         raise ValueError(f"m_mem={m_mem} tokens is below the longest sample (S={s_max}) of mixture "
                          f"{args.mixture!r}; lower --layers, add --activation-checkpointing or pass --m-mem")
-    budget = args.step_budget or float(cm.predict(1, s_max))
-    policy = cm.policy(m_mem, budget)
+    power: CostModel = profile["power_model"]
+    budget = args.step_budget or float(power.predict(1, s_max))
+    policy = power.policy(m_mem, budget)
     return {"policy": policy, "m_mem": int(m_mem), "m_mem_source": source, "step_budget_s": budget,
             "step_budget_source": "--step-budget" if args.step_budget else f"predicted time of B=1, S={s_max}"}
 
@@ -840,6 +845,7 @@ def _main(args: argparse.Namespace, d: _Dist, t_start: float) -> dict[str, Any]:
         "fused_build": ctx.get("fused_build"),
         "shape_warmup": ctx["shape_warmup"],
         "shape_benchmark": {"points": profile["points"], "cost_model": cm.to_dict(),
+                            "power_model": profile["power_model"].to_dict(),
                             "memory_model": None if profile["memory_model"] is None else profile["memory_model"].to_dict(),
                             "overhead_s": profile["overhead_s"]},
         "policies": {"equal_token": ctx["policies"]["equal_token"].to_dict(),
