@@ -4,8 +4,9 @@ modulate, and the fused kernel, as time and as a fraction of the measured copy b
 Every provider computes ``LN(x)·(1 + e1) + e0`` with Wan's modulation (strided chunk views of an fp32
 [B, 6, D] tensor) and a bf16 output. "Bytes" are the fewest any implementation must move: forward
 reads x and writes y; forward+backward also reads dy and writes dx (modulation and statistics are
-counted too, they are small). Activation memory is what the forward keeps alive for backward beyond
-its inputs and output.
+counted too, they are small). Times are medians of CUDA-graph replays (GPU time); the "+host"
+columns launch normally and include each provider's Python/dispatch overhead. Activation memory is
+what the forward keeps alive for backward beyond its inputs and output.
 
     python benchmarks/bench_adaln.py --out benchmarks/results/adaln_h200
 """
@@ -58,6 +59,15 @@ def providers():
     return out
 
 
+def _graph_ms(fn) -> float:
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median")
+    except Exception as err:  # not capturable: report it, keep the plain-launch numbers
+        print(f"  (CUDA-graph timing failed: {type(err).__name__}: {str(err)[:120]})")
+        torch.cuda.synchronize()
+        return math.nan
+
+
 def bench_one(fn, B, N, D, dtype):
     x = torch.randn(B, N, D, device="cuda", dtype=dtype, requires_grad=True)
     e = (torch.randn(B, 6, D, device="cuda") * 0.1).requires_grad_()
@@ -69,27 +79,36 @@ def bench_one(fn, B, N, D, dtype):
         return fn(x, ch[1], ch[0], w, b)
 
     gy = torch.randn(B, N, D, device="cuda", dtype=torch.bfloat16)
+
+    def fwd_bwd():
+        return torch.autograd.grad(fwd(), (x, e), gy)
+
+    # Replayed CUDA graphs time the GPU work alone; plain launches add each provider's host overhead
+    # (Python, autograd, dispatch), which dominates at small shapes.
     with torch.no_grad():
-        t_fwd = triton.testing.do_bench(fwd, warmup=10, rep=60, return_mode="median")
-    t_fb = triton.testing.do_bench(
-        lambda: torch.autograd.grad(fwd(), (x, e), gy), warmup=10, rep=60, return_mode="median"
-    )
+        t_fwd = _graph_ms(fwd)
+        t_fwd_host = triton.testing.do_bench(fwd, warmup=10, rep=60, return_mode="median")
+    t_fb = _graph_ms(fwd_bwd)
+    t_fb_host = triton.testing.do_bench(fwd_bwd, warmup=10, rep=60, return_mode="median")
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     y = fwd()
     kept = torch.cuda.memory_allocated() - before - y.numel() * y.element_size()
     del y
-    return t_fwd, t_fb, kept
+    return t_fwd, t_fb, kept, t_fwd_host, t_fb_host
 
 
-HEADER = f"{'shape':>18} {'x':>4} {'provider':>15} {'fwd ms':>8} {'fwd %bw':>7} {'f+b ms':>8} {'f+b %bw':>7} {'act MB':>8}"
+HEADER = (
+    f"{'shape':>18} {'x':>4} {'provider':>15} {'fwd ms':>8} {'fwd %bw':>7} {'f+b ms':>8} {'f+b %bw':>7} "
+    f"{'act MB':>8} {'fwd ms+host':>11} {'f+b ms+host':>11}"
+)
 
 
 def _fmt(r: dict) -> str:
     return (
         f"{str((r['B'], r['N'], r['D'])):>18} {r['x_dtype']:>4} {r['provider']:>15} {r['fwd_ms']:8.3f} "
         f"{100 * r['fwd_frac_copy_bw']:6.1f}% {r['fwd_bwd_ms']:8.3f} {100 * r['fwd_bwd_frac_copy_bw']:6.1f}% "
-        f"{r['activation_mb']:8.1f}"
+        f"{r['activation_mb']:8.1f} {r['fwd_ms_host']:11.3f} {r['fwd_bwd_ms_host']:11.3f}"
     )
 
 
@@ -111,11 +130,13 @@ def main() -> None:
             fwd_bytes = elems * (xs + 2) + mod + 8 * B * N
             fb_bytes = fwd_bytes + elems * (2 + xs + xs) + 2 * mod + 8 * B * N  # fwd, then read x, dy; write dx
             for name, fn in providers().items():
+                error = ""
                 try:
-                    t_fwd, t_fb, kept = bench_one(fn, B, N, D, dtype)
+                    t_fwd, t_fb, kept, t_fwd_host, t_fb_host = bench_one(fn, B, N, D, dtype)
                 except Exception as err:  # a peer failing on a shape is a result, not a crash
-                    print(f"{name} failed at {(B, N, D)} {dname}: {type(err).__name__}: {str(err)[:200]}")
-                    t_fwd = t_fb = kept = math.nan
+                    error = f"{type(err).__name__}: {str(err)[:200]}"
+                    print(f"{name} failed at {(B, N, D)} {dname}: {error}")
+                    t_fwd = t_fb = kept = t_fwd_host = t_fb_host = math.nan
                 rows.append(
                     {
                         "B": B, "N": N, "D": D, "x_dtype": dname, "provider": name,
@@ -123,6 +144,9 @@ def main() -> None:
                         "fwd_frac_copy_bw": fwd_bytes / (t_fwd * 1e-3) / bw,
                         "fwd_bwd_frac_copy_bw": fb_bytes / (t_fb * 1e-3) / bw,
                         "activation_mb": kept / 1e6,
+                        "fwd_ms_host": t_fwd_host,
+                        "fwd_bwd_ms_host": t_fb_host,
+                        "error": error,
                     }
                 )
                 torch.cuda.empty_cache()

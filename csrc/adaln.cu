@@ -474,6 +474,32 @@ int multiprocessors() {
   return sms;
 }
 
+// CTAs of `threads` threads of `kernel` resident per multiprocessor. The occupancy query costs a few
+// microseconds, about as much as a small backward, so answers are kept per (device, kernel, size).
+template <typename Kernel>
+cudaError_t resident_ctas(int* per_sm, Kernel kernel, int threads) {
+  struct Entry {
+    const void* fn;
+    int dev, threads, per_sm;
+  };
+  static Entry cache[64] = {};
+  static int used = 0;
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  const void* fn = reinterpret_cast<const void*>(kernel);
+  for (int i = 0; i < used; ++i) {
+    if (cache[i].fn == fn && cache[i].dev == dev && cache[i].threads == threads) {
+      *per_sm = cache[i].per_sm;
+      return cudaSuccess;
+    }
+  }
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, threads, 0);
+  // A full cache only stops remembering; callers run under the GIL or their own locking.
+  if (err == cudaSuccess && used < 64) cache[used++] = Entry{fn, dev, threads, *per_sm};
+  return err;
+}
+
 // The wide vector path needs every row start and pointer aligned to one vector.
 bool fwd_wide_ok(const AdalnFwdParams& p, int vec) {
   const int64_t strides[] = {p.x_sb, p.x_sn, p.scale_sb, p.scale_sn, p.shift_sb, p.shift_sn};
@@ -526,8 +552,7 @@ cudaError_t bwd_plan(const AdalnBwdParams& p, int* tpr, BwdGrid* grid) {
   *tpr = threads_per_row(p.D, VEC, VALUES);
   if (*tpr > bwd_threads(VALUES)) return cudaErrorInvalidValue;
   int per_sm = 0;
-  const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &per_sm, adaln_bwd_kernel<TX, TM, TD, VEC, AFFINE, VALUES>, *tpr, 0);
+  const cudaError_t err = resident_ctas(&per_sm, adaln_bwd_kernel<TX, TM, TD, VEC, AFFINE, VALUES>, *tpr);
   if (err != cudaSuccess) return err;
   const int64_t target = static_cast<int64_t>(multiprocessors()) * (per_sm > 0 ? per_sm : 1);
   int64_t strips = ceil_div(target, p.B);
