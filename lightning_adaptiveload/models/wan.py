@@ -149,6 +149,8 @@ WAN_CONFIGS: dict[str, WanConfig] = {
 def from_name_or_config(model: str | WanConfig | Mapping[str, Any]) -> WanConfig:
     """Resolve a preset name, a :class:`WanConfig` or a dict of its fields to a :class:`WanConfig`.
 
+    A dict may name a ``preset`` and override some of its fields.
+
     Raises:
         ValueError: unknown preset name or unknown dict keys.
         TypeError: any other type.
@@ -160,13 +162,18 @@ def from_name_or_config(model: str | WanConfig | Mapping[str, Any]) -> WanConfig
             raise ValueError(f"Unknown Wan model preset {model!r}. Expected one of {sorted(WAN_CONFIGS)}.")
         return WAN_CONFIGS[model]
     if isinstance(model, Mapping):
+        fields = dict(model)
         known = {f.name for f in dataclasses.fields(WanConfig)}
-        unknown = sorted(set(model) - known)
+        unknown = sorted(set(fields) - known - {"preset"})
         if unknown:
             raise ValueError(
-                f"Unknown WanConfig fields {unknown} in {dict(model)!r}. Expected keys among {sorted(known)}."
+                f"Unknown WanConfig fields {unknown} in {fields!r}. Expected keys among {sorted(known | {'preset'})}."
             )
-        return WanConfig(**dict(model))
+        preset = fields.pop("preset", None)
+        if preset is not None:
+            # A preset with some fields changed, e.g. {"preset": "wan2_1_1_3b", "num_layers": 4}.
+            return dataclasses.replace(from_name_or_config(preset), **fields)
+        return WanConfig(**fields)
     raise TypeError(
         f"`model={model!r}` is not valid. Expected a preset name in {sorted(WAN_CONFIGS)}, a WanConfig or a dict."
     )

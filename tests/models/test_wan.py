@@ -315,6 +315,9 @@ def test_from_name_or_config():
         {"dim": 64, "ffn_dim": 128, "num_heads": 4, "num_layers": 2, "patch_size": [1, 2, 2]}
     )
     assert cfg.patch_size == (1, 2, 2) and cfg.text_dim == 4096
+    short = from_name_or_config({"preset": "wan2_1_1_3b", "num_layers": 4})
+    assert short.num_layers == 4 and short.dim == 1536 and short.ffn_dim == 8960
+    assert from_name_or_config({"preset": "tiny"}) == TINY
     with pytest.raises(
         ValueError, match=r"Unknown Wan model preset 'wan_1b'.*'tiny', 'wan2_1_14b', 'wan2_1_1_3b'"
     ):
