@@ -175,6 +175,13 @@ def test_cpu_plumbing_compiles_fullgraph(emulated):
     assert x.grad is not None and s.grad is not None
 
 
+@pytest.mark.parametrize("mod", ["sample", "chunk", "token"])
+@pytest.mark.parametrize("affine", [False, True])
+def test_cpu_fused_check_harness(emulated, mod, affine):
+    # The CUDA comparison below, run through the emulated extension: checks the checker itself.
+    _check_fused(2, 5, 32, torch.float32, 1e-5, mod=mod, affine=affine, device="cpu")
+
+
 # ------------------------------------------------------------------------------------------------
 # CUDA: the fused kernel against a float64 reference.
 
@@ -183,8 +190,8 @@ DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 4e-3)]
 
 def _make(B, N, D, dtype, mod, mod_dtype, affine, device="cuda"):
     x = torch.randn(B, N, D, device=device, dtype=dtype) * 2 + 0.5
-    if mod == "chunk":
-        e = torch.randn(B, 6, D, device=device, dtype=mod_dtype) * 0.5
+    if mod == "chunk":  # views of a leaf that requires grad, as Wan's modulation is
+        e = (torch.randn(B, 6, D, device=device, dtype=mod_dtype) * 0.5).requires_grad_()
         s, h = e.chunk(6, dim=1)[1], e.chunk(6, dim=1)[3]
     elif mod == "token":
         s, h = (torch.randn(B, N, D, device=device, dtype=mod_dtype) * 0.5 for _ in range(2))
@@ -195,8 +202,10 @@ def _make(B, N, D, dtype, mod, mod_dtype, affine, device="cuda"):
     return x, s, h, w, b
 
 
-def _check_fused(B, N, D, dtype, tol, mod="sample", mod_dtype=torch.float32, affine=False, out_dtype=None):
-    x, s, h, w, b = _make(B, N, D, dtype, mod, mod_dtype, affine)
+def _check_fused(
+    B, N, D, dtype, tol, mod="sample", mod_dtype=torch.float32, affine=False, out_dtype=None, device="cuda"
+):
+    x, s, h, w, b = _make(B, N, D, dtype, mod, mod_dtype, affine, device)
     # For chunk views the leaf is the [B, 6, D] tensor they view.
     sources = (x, s._base, w, b) if mod == "chunk" else (x, s, h, w, b)
     leaves = [t.requires_grad_() for t in sources if t is not None]
