@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,9 @@ def _compose(overrides: list[str], tmp_path: Path):
     with initialize_config_module(config_module="lightning_adaptiveload.conf", version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
     with open_dict(cfg):
+        # In-process runs stay on one device: a multi-process launch would re-run pytest itself.
+        # The console-script test below runs the default two-process quickstart.
+        cfg.trainer.devices = 1
         cfg.output_dir = str(tmp_path)
         cfg.hydra.runtime.output_dir = str(tmp_path)
         if cfg.callbacks and "shape_benchmark" in cfg.callbacks:
@@ -145,9 +149,10 @@ def test_console_script_runs(tmp_path):
             sys.executable,
             "-m",
             "lightning_adaptiveload.train",
-            "++trainer.max_steps=3",
+            "++trainer.max_steps=6",
             "trainer.enable_progress_bar=false",
             f"hydra.run.dir={tmp_path}",
+            f"callbacks.shape_benchmark.cache_dir={tmp_path / 'cache'}",
         ],
         capture_output=True,
         text=True,
@@ -156,5 +161,9 @@ def test_console_script_runs(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
-    assert "Bucket plan" in out
+    assert "Bucket plan" in out and "2 rank(s)" in out
+    assert "Shape benchmark (profiled)" in out
     assert "Balance report" in out
+    # The report has one row per rank of the two-process quickstart.
+    report = out[out.index("Balance report") :]
+    assert re.search(r"│\s+0 │", report) and re.search(r"│\s+1 │", report)
