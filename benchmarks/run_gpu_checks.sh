@@ -15,11 +15,11 @@ NPROC=${NPROC:-$(nvidia-smi -L | wc -l)}
 STEPS=${STEPS:-12}
 
 # The kernel builds once here; the recipe below reuses the build cache.
-CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log"
+CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 
 # 480p mixture (S up to 32,760) and activation checkpointing keep the 30-layer model's steps short.
-timeout 300 torchrun --standalone --nproc-per-node="$NPROC" -m lightning_adaptiveload.train \
+timeout 330 torchrun --standalone --nproc-per-node="$NPROC" -m lightning_adaptiveload.train \
   experiment=wan2_1_1_3b_480p trainer.devices="$NPROC" trainer.max_steps="$STEPS" \
   trainer.log_every_n_steps=1 data.dataset.mixture=wan_480p data.dataset.num_samples=20000 \
   model.activation_checkpointing=true \
