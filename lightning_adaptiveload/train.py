@@ -7,6 +7,8 @@ overridden from the command line, e.g.
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
 from typing import Any
 
 import hydra
@@ -17,7 +19,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_adaptiveload.reporting import print_bucket_plan
 
-CONFIG_PACKAGE = "pkg://lightning_adaptiveload.conf"
+
+def _config_path() -> str:
+    """``conf/`` ships inside the installed package; a source checkout on ``PYTHONPATH`` has it beside."""
+    if importlib.util.find_spec("lightning_adaptiveload.conf") is not None:
+        return "pkg://lightning_adaptiveload.conf"
+    return str(Path(__file__).resolve().parent.parent / "conf")
 
 
 def _instantiate_dataset(cfg: DictConfig, module: pl.LightningModule) -> Any:
@@ -77,7 +84,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     return metrics
 
 
-@hydra.main(version_base="1.3", config_path=CONFIG_PACKAGE, config_name="train")
+@hydra.main(version_base="1.3", config_path=_config_path(), config_name="train")
 def main(cfg: DictConfig) -> None:
     """Console script ``adaptiveload-train``."""
     OmegaConf.resolve(cfg)
