@@ -3,7 +3,7 @@
 # 1.3B recipe through Lightning's FSDP strategy on all GPUs (shape benchmark -> fitted policy ->
 # balanced sampler, fused AdaLN, balance monitor). Logs go to $OUT (default benchmarks/results).
 #
-#     bash benchmarks/run_gpu_checks.sh
+#     bash benchmarks/run_gpu_checks.sh            # TESTS=0 runs the recipe alone
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
@@ -15,8 +15,11 @@ NPROC=${NPROC:-$(nvidia-smi -L | wc -l)}
 STEPS=${STEPS:-12}
 
 # The kernel builds once here; the recipe below reuses the build cache.
-CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log"
-tests_rc=${PIPESTATUS[0]}
+tests_rc=0
+if [ "${TESTS:-1}" = 1 ]; then
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log"
+  tests_rc=${PIPESTATUS[0]}
+fi
 
 # 480p mixture (S up to 32,760) and activation checkpointing keep the 30-layer model's steps short.
 timeout 330 torchrun --standalone --nproc-per-node="$NPROC" -m lightning_adaptiveload.train \
