@@ -10,6 +10,7 @@ the same parameters (the swap shares them) and wraps the fused modules.
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable
 
 import lightning.pytorch as pl
@@ -90,7 +91,8 @@ class FusedAdaLNCallback(Callback):
         device = trainer.strategy.root_device
         ok, reason = device.type == "cuda", f"the training device is {device.type}, not CUDA"
         if ok and self.build:
-            from lightning_adaptiveload.ops import adaln as adaln_ops
+            # The module, not the function `ops.adaln` that the package re-exports under its name.
+            adaln_ops = importlib.import_module("lightning_adaptiveload.ops.adaln")
 
             with torch.cuda.device(device):
                 ok = adaln_ops._load_extension() is not None
