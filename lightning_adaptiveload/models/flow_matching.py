@@ -217,6 +217,29 @@ class FlowMatchingModule(pl.LightningModule):
         return loss
 
     @override
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Clip by the global norm; under FSDP through the wrapper, which sums the shards' norms.
+
+        Lightning's FSDP precision plugin refuses norm clipping, yet the sharded model can do it.
+        """
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        model = self.trainer.model
+        if gradient_clip_val and isinstance(model, FullyShardedDataParallel):
+            if gradient_clip_algorithm not in (None, "norm"):
+                raise ValueError(
+                    f"`Trainer(gradient_clip_algorithm={gradient_clip_algorithm!r})` is not supported with FSDP; "
+                    "use 'norm'."
+                )
+            model.clip_grad_norm_(gradient_clip_val)
+            return
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
     def configure_optimizers(self) -> Any:
         hp = self.hparams
         optimizer = torch.optim.AdamW(
