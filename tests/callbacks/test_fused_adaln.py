@@ -93,6 +93,27 @@ def test_callback_patches_modules_built_in_configure_model(monkeypatch):
     assert "configure_model" not in module.__dict__
 
 
+def test_callback_builds_the_extension_and_reports_a_failed_build(monkeypatch):
+    """With build=True on a CUDA device, setup asks ops.adaln to build; a failed build patches nothing."""
+    import contextlib
+    import importlib
+
+    ops = importlib.import_module("lightning_adaptiveload.ops.adaln")
+    calls = []
+    monkeypatch.setattr(ops, "_load_extension", lambda: calls.append(1))  # returns None: build failed
+    monkeypatch.setattr(ops, "_build_error", "nvcc not found", raising=False)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    module = FlowMatchingModule("tiny")
+    module.configure_model()
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    monkeypatch.setattr(type(trainer.strategy), "root_device", property(lambda self: torch.device("cuda", 0)))
+    cb = FusedAdaLNCallback(build=True)
+    with pytest.warns(UserWarning, match=r"did not build \(nvcc not found\)"):
+        cb.setup(trainer, module, "fit")
+    assert calls == [1]
+    assert cb.patched == 0 and _count(module, FusedAdaLayerNorm) == 0
+
+
 @pytest.mark.cuda
 def test_patched_tiny_wan_matches_unpatched():
     torch.manual_seed(0)
