@@ -198,3 +198,18 @@ def test_trainer_fit_with_changing_grids(monkeypatch, tmp_path):
     restored = FlowMatchingModule.load_from_checkpoint(path)
     for (name, p), q in zip(module.named_parameters(), restored.parameters(), strict=True):
         assert torch.equal(p, q), name
+
+
+def test_gradient_clipping_under_fsdp_goes_through_the_wrapper(monkeypatch):
+    """Lightning's FSDP precision plugin refuses norm clipping; the module clips via the FSDP wrapper."""
+    from unittest.mock import MagicMock
+
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    module = FlowMatchingModule("tiny")
+    wrapper = MagicMock(spec=FullyShardedDataParallel)
+    monkeypatch.setattr(type(module), "trainer", property(lambda self: MagicMock(model=wrapper)))
+    module.configure_gradient_clipping(MagicMock(), gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+    wrapper.clip_grad_norm_.assert_called_once_with(1.0)
+    with pytest.raises(ValueError, match="gradient_clip_algorithm='value'"):
+        module.configure_gradient_clipping(MagicMock(), gradient_clip_val=1.0, gradient_clip_algorithm="value")
