@@ -11,14 +11,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 || exit
-# NVLink SHARP (multicast) stays off on these hosts.
-export NCCL_NVLS_ENABLE=0
-
-OUT=${OUT:-benchmarks/results}
-mkdir -p "$OUT"
-NPROC=${NPROC:-$(nvidia-smi -L | wc -l)}
+# shellcheck source=benchmarks/device_env.sh
+source benchmarks/device_env.sh
 NAME=${NAME:-e2e_h200x${NPROC}}
 MAX_SECONDS=${MAX_SECONDS:-430}
 

@@ -6,12 +6,8 @@
 #     bash benchmarks/run_gpu_checks.sh            # TESTS=0 runs the recipe alone
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 || exit
-export NCCL_NVLS_ENABLE=0
-OUT=${OUT:-benchmarks/results}
-mkdir -p "$OUT"
-NPROC=${NPROC:-$(nvidia-smi -L | wc -l)}
+# shellcheck source=benchmarks/device_env.sh
+source benchmarks/device_env.sh
 STEPS=${STEPS:-12}
 
 # The kernel builds once here; the recipe below reuses the build cache.
