@@ -116,6 +116,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/adaln_h200")
     parser.add_argument("--shapes", default="all", help="'all' or 'quick' (first shape only)")
+    parser.add_argument("--providers", default="all", help="'all' or a comma-separated subset, e.g. 'ours'")
     args = parser.parse_args()
     torch._dynamo.config.cache_size_limit = 64
     bw = copy_bandwidth()
@@ -130,6 +131,8 @@ def main() -> None:
             fwd_bytes = elems * (xs + 2) + mod + 8 * B * N
             fb_bytes = fwd_bytes + elems * (2 + xs + xs) + 2 * mod + 8 * B * N  # fwd, then read x, dy; write dx
             for name, fn in providers().items():
+                if args.providers != "all" and name not in args.providers.split(","):
+                    continue
                 error = ""
                 try:
                     t_fwd, t_fb, kept, t_fwd_host, t_fb_host = bench_one(fn, B, N, D, dtype)

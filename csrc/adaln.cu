@@ -42,6 +42,9 @@ constexpr int bwd_threads(int values) {
   return values == kBwdSmallValues ? kBwdSmallThreads
                                    : (values == kBwdLargeValues ? kBwdLargeThreads : kBwdScalarThreads);
 }
+// Rows each backward thread loads ahead (see adaln_bwd_kernel). Three spill under the 128-register
+// cap of the 512-thread variant for bf16 x with an affine (ptxas -v), so two.
+constexpr int kBwdDepth = 2;
 // Forward CTAs pack several short rows so that a CTA has at least this many threads.
 constexpr int kFwdCtaThreads = 256;
 constexpr int kFwdMaxRows = kFwdCtaThreads / kWarp;
@@ -254,13 +257,18 @@ __global__ void __launch_bounds__(bwd_threads(VALUES))
     for (int j = 0; j < VEC; ++j) acc_a[i][j] = acc_h[i][j] = 0.f;
   }
 
-  // Two rows of x and dy in flight: while one row is reduced and written, the next two are loading.
+  // kBwdDepth rows of x, dy and their statistics in flight: while one row is reduced and written,
+  // the next ones are loading, and the row after them is requested as soon as this one is in
+  // registers. The statistics travel with the row so that no row waits on a dependent load.
   struct Rows {
     Pack<TX, VEC> x[NV];
     Pack<TD, VEC> dy[NV];
+    float mean, rstd;
   };
-  Rows ra, rb;
+  Rows rows[kBwdDepth];
   auto fetch = [&](Rows& r, int64_t n) {
+    r.mean = p.mean[b * p.N + n];
+    r.rstd = p.rstd[b * p.N + n];
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
       const int col = (tid * NV + i) * VEC;
@@ -274,8 +282,8 @@ __global__ void __launch_bounds__(bwd_threads(VALUES))
   int parity = 0;
   auto step = [&](Rows& r, int64_t n) {
     const int64_t row = b * p.N + n;
-    const float mean = p.mean[row];
-    const float rstd = p.rstd[row];
+    const float mean = r.mean;
+    const float rstd = r.rstd;
     float xh[NV][VEC], gr[NV][VEC];
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
@@ -285,7 +293,7 @@ __global__ void __launch_bounds__(bwd_threads(VALUES))
         gr[i][j] = to_float(r.dy[i].v[j]);
       }
     }
-    if (n + 2 < n1) fetch(r, n + 2);
+    if (n + kBwdDepth < n1) fetch(r, n + kBwdDepth);
 
     const TM* scale = sb + n * p.scale_sn;
     float s1 = 0.f, s2 = 0.f;
@@ -338,12 +346,17 @@ __global__ void __launch_bounds__(bwd_threads(VALUES))
     }
   };
 
-  if (n0 < n1) fetch(ra, n0);
-  if (n0 + 1 < n1) fetch(rb, n0 + 1);
+#pragma unroll
+  for (int k = 0; k < kBwdDepth; ++k) {
+    if (n0 + k < n1) fetch(rows[k], n0 + k);
+  }
   // The row count is the same for every thread of the CTA, so the barriers inside step() match.
-  for (int64_t n = n0; n < n1; n += 2) {
-    step(ra, n);
-    if (n + 1 < n1) step(rb, n + 1);
+  // Unrolled over the buffers so that each one stays in registers (constant indices only).
+  for (int64_t n = n0; n < n1; n += kBwdDepth) {
+#pragma unroll
+    for (int k = 0; k < kBwdDepth; ++k) {
+      if (n + k < n1) step(rows[k], n + k);
+    }
   }
 
   // One fp32 partial per CTA and feature (A at [cta, D], H one array later); the finishing kernel
