@@ -19,6 +19,11 @@ from lightning_adaptiveload.bucketing import (
 )
 from lightning_adaptiveload.bucketing.shapes import latent_shape, pixel_token_grid, seq_len, token_grid
 from lightning_adaptiveload.callbacks.balance_monitor import BalanceMonitor
+from lightning_adaptiveload.callbacks.fused_adaln import (
+    FusedAdaLNCallback,
+    apply_fused_adaln,
+    register_adaln_module,
+)
 from lightning_adaptiveload.callbacks.shape_benchmark import ShapeBenchmarkCallback
 from lightning_adaptiveload.costmodel import CostModel, MemoryModel
 from lightning_adaptiveload.data import (
@@ -37,8 +42,8 @@ from lightning_adaptiveload.models import (
     WanConfig,
     WanModel,
 )
-from lightning_adaptiveload.modules.adaln import AdaLayerNorm
-from lightning_adaptiveload.ops.adaln import adaln_ref
+from lightning_adaptiveload.modules.adaln import AdaLayerNorm, FusedAdaLayerNorm
+from lightning_adaptiveload.ops.adaln import adaln, adaln_ref
 
 __version__ = "0.1.0"
 
@@ -55,6 +60,8 @@ __all__ = [
     "DualConstraintPolicy",
     "EqualTokenPolicy",
     "FlowMatchingModule",
+    "FusedAdaLNCallback",
+    "FusedAdaLayerNorm",
     "ManifestDataset",
     "MemoryModel",
     "ShapeBenchmarkCallback",
@@ -63,7 +70,9 @@ __all__ = [
     "WanAttentionBlock",
     "WanConfig",
     "WanModel",
+    "adaln",
     "adaln_ref",
+    "apply_fused_adaln",
     "bubble_fraction",
     "collate_batch",
     "compare_policies",
@@ -72,6 +81,7 @@ __all__ = [
     "latent_shape",
     "pixel_token_grid",
     "read_manifest_shapes",
+    "register_adaln_module",
     "seq_len",
     "simulate",
     "sync_overhead",
