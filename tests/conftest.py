@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -9,3 +11,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _isolate_distributed_state():
+    """Undo what an in-process DDP run leaves behind: its environment variables and process group.
+
+    Lightning exports MASTER_ADDR / MASTER_PORT / LOCAL_RANK / WORLD_SIZE ... into os.environ when it
+    sets up a distributed strategy; a later subprocess that inherits them believes it was launched
+    externally and waits for peers that never come (or binds a port still in use).
+    """
+    env = dict(os.environ)
+    yield
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(env)
