@@ -8,6 +8,7 @@ overridden from the command line, e.g.
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_adaptiveload.callbacks.shape_benchmark import ShapeBenchmarkCallback
 from lightning_adaptiveload.reporting import print_bucket_plan
 
 
@@ -50,12 +52,17 @@ def _instantiate_callbacks(cfg: DictConfig | None) -> list[pl.Callback]:
     return callbacks
 
 
-def train(cfg: DictConfig) -> dict[str, float]:
-    """Compose model, data, bucketing policy, callbacks, logger, strategy and Trainer, then fit.
+@dataclass
+class Run:
+    """Everything ``train`` builds from a config, before fitting."""
 
-    Returns:
-        The Trainer's final callback metrics as floats.
-    """
+    module: pl.LightningModule
+    datamodule: pl.LightningDataModule
+    trainer: pl.Trainer
+
+
+def build(cfg: DictConfig) -> Run:
+    """Instantiate model, data, bucketing policy, callbacks, logger, strategy and Trainer."""
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True)
 
@@ -70,16 +77,31 @@ def train(cfg: DictConfig) -> dict[str, float]:
         seed=cfg.get("seed") or 0,
     )
     callbacks = _instantiate_callbacks(cfg.get("callbacks"))
+    if not cfg.bucketing.get("fit_from_benchmark", True):
+        # The chosen policy is the point of the run (e.g. the equal-token baseline): keep it.
+        kept = [cb for cb in callbacks if not isinstance(cb, ShapeBenchmarkCallback)]
+        if len(kept) < len(callbacks):
+            rank_zero_info("bucketing.fit_from_benchmark=false: ShapeBenchmarkCallback is off; the configured policy is kept.")
+        callbacks = kept
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     strategy = instantiate(cfg.strategy)
     trainer: pl.Trainer = instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks, logger=logger)
+    return Run(module, datamodule, trainer)
 
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Build the run from ``cfg``, print the bucket plan, and fit.
+
+    Returns:
+        The Trainer's final callback metrics as floats.
+    """
+    run = build(cfg)
     if cfg.get("print_plan", True):
         # The plan before any shape benchmark; ShapeBenchmarkCallback prints the re-fitted one.
-        print_bucket_plan(datamodule, world_size=trainer.world_size)
+        print_bucket_plan(run.datamodule, world_size=run.trainer.world_size)
 
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+    run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=cfg.get("ckpt_path"))
+    metrics = {k: float(v) for k, v in run.trainer.callback_metrics.items() if v.numel() == 1}
     rank_zero_info(f"Final metrics: {metrics}")
     return metrics
 

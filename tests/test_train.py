@@ -17,9 +17,11 @@ from hydra.utils import instantiate
 from omegaconf import open_dict
 
 import lightning_adaptiveload
+from lightning_adaptiveload.bucketing.policy import EqualTokenPolicy
+from lightning_adaptiveload.callbacks.shape_benchmark import ShapeBenchmarkCallback
 from lightning_adaptiveload.costmodel import CostModel
 from lightning_adaptiveload.factories import cost_model_policy
-from lightning_adaptiveload.train import train
+from lightning_adaptiveload.train import build, train
 
 CONF_DIR = Path(lightning_adaptiveload.__file__).parent.parent / "conf"
 GROUPS = ["model", "data", "bucketing", "strategy", "trainer", "callbacks", "logger", "experiment"]
@@ -128,6 +130,26 @@ def test_experiments_run_on_cpu_with_a_tiny_model(tmp_path):
     )
     metrics = train(cfg)
     assert "train/loss" in metrics
+
+
+@pytest.mark.parametrize(("bucketing", "fitted"), [("dual_constraint", True), ("equal_token", False), ("cost_model", False)])
+def test_only_the_dual_constraint_choice_is_refitted_by_the_shape_benchmark(bucketing, fitted, tmp_path):
+    overrides = [f"bucketing={bucketing}"]
+    if bucketing == "cost_model":
+        b, sl = np.meshgrid([1, 2, 4], [16, 64, 120])
+        cm = CostModel.fit(b.ravel(), sl.ravel(), (1e-3 + b * 2e-5 * sl).ravel(), form="quadratic")
+        (tmp_path / "cm.json").write_text(cm.to_json())
+        overrides.append(f"bucketing.policy.cost_model_path={tmp_path / 'cm.json'}")
+    run = build(_compose(overrides, tmp_path))
+    has_benchmark = any(isinstance(cb, ShapeBenchmarkCallback) for cb in run.trainer.callbacks)
+    assert has_benchmark is fitted
+
+
+def test_equal_token_baseline_trains_with_its_own_policy(tmp_path):
+    cfg = _compose(["bucketing=equal_token", "++trainer.fast_dev_run=2"], tmp_path)
+    run = build(cfg)
+    run.trainer.fit(run.module, datamodule=run.datamodule)
+    assert isinstance(run.datamodule.policy, EqualTokenPolicy)
 
 
 def test_quickstart_fast_dev_run(tmp_path):
