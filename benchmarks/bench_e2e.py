@@ -87,7 +87,7 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="model dimensions (preset)")
     p.add_argument("--layers", type=int, default=2,
                    help="transformer blocks (the 1.3B preset has 30; fewer so four runs and two 200-step "
-                        "loss curves fit one 9-minute device call). 0 keeps the preset's count.")
+                        "loss curves fit one 9-minute run). 0 keeps the preset's count.")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute block activations in backward (needed for many layers at 1.3B dims)")
     p.add_argument("--mixture", default="wan_mixed_480p_720p", help="named shape mixture (data/mixtures.py)")

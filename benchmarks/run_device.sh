@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: install the carried wheels, build the extension, run the CUDA tests, benchmark.
+# One GPU run: install the offline wheels, build the extension, run the CUDA tests, benchmark.
 # Usage (device): bash benchmarks/run_device.sh [all|quick|tests]  (tests: no benchmark)
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1

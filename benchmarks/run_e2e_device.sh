@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# End-to-end benchmark on one multi-GPU host (written for nvidia-h200-x2; runs unchanged on x8).
+# End-to-end benchmark on one multi-GPU host (2 H200s here; runs unchanged on 8).
 #
 # Run from the repository root with the offline wheels (hydra-core, omegaconf, antlr4, torchdata) in .whl/:
 #     bash benchmarks/run_e2e_device.sh                 # all GPUs of the host

@@ -16,7 +16,7 @@ GRIDS = np.array([(1, 2, 2), (1, 2, 3), (3, 2, 2), (2, 3, 3)])
 
 
 class GridDataset(Dataset):
-    """Tiny dataset with the data contract: token grids from 'metadata', latents on demand."""
+    """Tiny dataset with the dataset interface: token grids from 'metadata', latents on demand."""
 
     def __init__(self, n: int, seed: int = 0) -> None:
         self.grids = GRIDS[np.random.default_rng(seed).integers(0, len(GRIDS), n)]
