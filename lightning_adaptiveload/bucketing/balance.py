@@ -200,14 +200,25 @@ def mixture_token_grids(
     return np.repeat(grids, counts, axis=0)
 
 
-def default_m_comp(m_mem: int, p: float) -> float:
-    """A compute budget of one sample of half the memory budget: ``(m_mem / 2)^p``.
+def fitted_dual_constraint(shapes: np.ndarray, cost_model: CostPredictor, m_mem: int) -> DualConstraintPolicy:
+    """The paper's policy for a corpus, derived from a cost model the way the shape benchmark does.
 
-    Samples longer than ``m_mem / 2`` run at B = 1 by memory anyway and are unaffected; every
-    shorter bucket is capped at that cost, which levels ``B·S^p`` across buckets as far as integer
-    batch sizes allow while images stay memory-bound.
+    A power law ``a + b·B·S^p`` is fitted to ``cost_model``'s predictions on the corpus's sequence
+    lengths (B = 1 up to the memory limit), and the step budget is the predicted time of one sample
+    of the longest S, so the longest samples run at B = 1 and every bucket is capped at that time.
     """
-    return (float(m_mem) / 2.0) ** p
+    from lightning_adaptiveload.costmodel import CostModel
+
+    seq = np.unique(np.asarray(shapes, dtype=np.int64).prod(axis=1))
+    b_grid, s_grid = [], []
+    for s_len in seq:
+        top = max(1, m_mem // int(s_len))
+        bs = np.unique(np.geomspace(1, top, num=min(top, 6)).round().astype(np.int64))
+        b_grid += bs.tolist()
+        s_grid += [int(s_len)] * len(bs)
+    b_arr, s_arr = np.asarray(b_grid), np.asarray(s_grid)
+    power = CostModel.fit(b_arr, s_arr, np.asarray(cost_model.predict(b_arr, s_arr), dtype=float), form="power")
+    return power.policy(m_mem, float(power.predict(1, int(seq.max()))))
 
 
 def compare_policies(
@@ -223,9 +234,10 @@ def compare_policies(
     """Equal-token vs dual-constraint (balance ``"none"``) vs dual-constraint + ``balance="cost"``.
 
     Equal-token uses ``max_tokens = m_mem``; ``m_mem`` defaults to ``max(65,520, longest S)``
-    (Wan 2.1 1.3B on an H200); ``m_comp`` defaults to :func:`default_m_comp`; ``cost_model``
-    defaults to :func:`default_cost_model` (H200-like). Samples longer than ``m_mem`` are left out
-    of all three configurations so they plan the same data.
+    (Wan 2.1 1.3B on an H200); ``cost_model`` defaults to :func:`default_cost_model` (H200-like).
+    Without ``m_comp`` the dual constraint comes from :func:`fitted_dual_constraint` (``p`` is then
+    fitted too); with it, ``DualConstraintPolicy(m_mem, m_comp, p)``. Samples longer than ``m_mem``
+    are left out of all three configurations so they plan the same data.
     """
     shapes = np.asarray(shapes, dtype=np.int64)
     seq = shapes.prod(axis=1)
@@ -234,11 +246,14 @@ def compare_policies(
     if len(shapes) == 0:
         raise ValueError(f"Every sample is longer than `m_mem={m_mem}` tokens; raise `m_mem`.")
     cm = cost_model if cost_model is not None else default_cost_model()
-    mc = default_m_comp(m_mem, p) if m_comp is None else m_comp
+    if m_comp is None:
+        dual = fitted_dual_constraint(shapes, cm, m_mem)
+    else:
+        dual = DualConstraintPolicy(m_mem, m_comp, p, oversize="skip")
     configs = [
         ("equal-token", EqualTokenPolicy(m_mem), "none"),
-        ("dual-constraint", DualConstraintPolicy(m_mem, mc, p, oversize="skip"), "none"),
-        ("dual-constraint + balance", DualConstraintPolicy(m_mem, mc, p, oversize="skip"), "cost"),
+        ("dual-constraint", dual, "none"),
+        ("dual-constraint + balance", dual, "cost"),
     ]
     results = []
     for w in world_sizes:

@@ -116,8 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cost-model", help="CostModel JSON; default: a documented H200-like quadratic model")
     parser.add_argument("--m-mem", type=int, default=None,
                         help="token budget per batch (default max(65520, longest S))")
-    parser.add_argument("--m-comp", type=float, default=None, help="compute budget (default (m_mem/2)^p)")
-    parser.add_argument("--p", type=float, default=2.0, help="exponent of S in the compute constraint")
+    parser.add_argument("--m-comp", type=float, default=None, help="compute budget; default: fitted from the cost model (B=1 at the longest S)")
+    parser.add_argument("--p", type=float, default=2.0, help="exponent of S in the compute constraint (with --m-comp)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args(argv)

@@ -7,6 +7,7 @@ from lightning_adaptiveload.bucketing.balance import (
     bubble_fraction,
     compare_policies,
     compute_imbalance_rate,
+    fitted_dual_constraint,
     mixture_token_grids,
     simulate,
     summarize_step_loads,
@@ -77,3 +78,21 @@ def test_cli_prints_table_and_writes_json(tmp_path, capsys):
     assert [r["name"] for r in rows] == ["equal-token", "dual-constraint", "dual-constraint + balance"]
     with pytest.raises(SystemExit):
         main(["--mixture", "no_such_mixture"])
+
+
+def test_fitted_dual_constraint_recovers_a_power_law_and_runs_the_longest_sample_alone():
+    from lightning_adaptiveload.costmodel import CostModel
+
+    shapes = mixture_token_grids(MIXED, 2_000)
+    seq = np.unique(shapes.prod(axis=1))
+    truth = CostModel(form="power", params={"a": 0.02, "b": 3e-9, "p": 1.7})
+    policy = fitted_dual_constraint(shapes, truth, m_mem=131_040)
+    assert isinstance(policy, DualConstraintPolicy)
+    assert policy.p == pytest.approx(1.7, rel=1e-3)
+    # The budget is one sample of the longest S: that bucket runs at B = 1, shorter ones fill it.
+    assert policy.batch_size(int(seq.max())) == 1
+    budget = float(truth.predict(1, int(seq.max())))
+    for s_len in seq:
+        b = policy.batch_size(int(s_len))
+        assert b == 1 or float(truth.predict(b, int(s_len))) <= budget * (1 + 1e-3)
+        assert b * s_len <= 131_040 or b == 1
