@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from lightning.pytorch.utilities import rank_zero_only
 from rich.console import Console
 from rich.table import Table
+
+from lightning_adaptiveload.bucketing.sampler import batch_costs
 
 
 def bucket_plan_table(datamodule: Any, world_size: int = 1) -> tuple[Table, dict[str, Any]]:
@@ -18,11 +21,14 @@ def bucket_plan_table(datamodule: Any, world_size: int = 1) -> tuple[Table, dict
     sampler = datamodule.make_sampler(world_size, 0)
     stats = sampler.plan_stats
     rows = sampler.bucket_table()
-    p = getattr(datamodule.policy, "cost_exponent", 2.0)
-    costs = [r["batch_size"] * float(r["seq_len"]) ** p for r in rows]
-    if datamodule.cost_model is not None:
-        costs = [float(datamodule.cost_model.predict(max(r["batch_size"], 1), r["seq_len"])) for r in rows]
-    top = max(costs) if costs else 1.0
+    # The same per-batch cost the sampler balances on (B = 0 marks a skipped bucket).
+    costs = batch_costs(
+        np.array([max(r["batch_size"], 1) for r in rows]),
+        np.array([r["seq_len"] for r in rows]),
+        datamodule.cost_model,
+        datamodule.policy.cost_exponent,
+    )
+    top = float(costs.max()) if len(costs) else 1.0
     table = Table(
         title=f"Bucket plan: {datamodule.policy!r}, balance={datamodule.balance!r}, {world_size} rank(s)",
         title_justify="left",
