@@ -10,13 +10,16 @@ from lightning_adaptiveload.bucketing.policy import CostModelPolicy
 from lightning_adaptiveload.costmodel import CostModel
 
 
-def load_cost_model(path: str | os.PathLike) -> CostModel:
-    """Read a ``CostModel`` JSON file, or a calibration JSON holding one under ``"cost_model"``."""
+def load_cost_model(path: str | os.PathLike, argument: str = "path") -> CostModel:
+    """Read a ``CostModel`` JSON file, or a calibration JSON holding one under ``"cost_model"``.
+
+    ``argument`` names the setting the path came from, for the error message.
+    """
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(
-            f"cost model file {str(file)!r} does not exist; point `cost_model_path` at the calibration "
-            "JSON that ShapeBenchmarkCallback wrote (or a CostModel.to_json() file)."
+            f"cost model file {str(file)!r} does not exist; point `{argument}` at the calibration "
+            "JSON that ShapeBenchmarkCallback wrote (shape_benchmark.json) or a CostModel.to_json() file."
         )
     data = json.loads(file.read_text())
     if isinstance(data, dict) and "cost_model" in data:
@@ -41,7 +44,7 @@ def cost_model_policy(
         max_seq_len: the longest S expected (only used when ``step_budget`` is ``None``).
         oversize: ``"error"`` or ``"skip"`` for samples with S > m_mem.
     """
-    cost_model = load_cost_model(cost_model_path)
+    cost_model = load_cost_model(cost_model_path, argument="cost_model_path")
     if step_budget is None:
         step_budget = float(cost_model.predict(1, max_seq_len or m_mem))
     return CostModelPolicy(cost_model, m_mem=m_mem, step_budget=step_budget, oversize=oversize)

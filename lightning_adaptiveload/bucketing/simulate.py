@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from lightning_adaptiveload.bucketing.balance import SimulationResult, compare_policies, mixture_token_grids
+from lightning_adaptiveload.factories import load_cost_model
 
 
 def load_mixture(spec: str) -> list[dict[str, Any]]:
@@ -71,15 +72,6 @@ def load_shapes(mixture: str | None, manifest: str | None, num_samples: int) -> 
     return mixture_token_grids(load_mixture(mixture), num_samples)
 
 
-def load_cost_model(path: str | None) -> Any:
-    """A ``CostModel`` from a JSON file (``CostModel.to_json`` or a calibration file), or ``None``."""
-    if path is None:
-        return None
-    from lightning_adaptiveload.factories import load_cost_model as _load
-
-    return _load(path)
-
-
 def render(results: Sequence[SimulationResult], title: str) -> None:
     """Print the comparison as a rich table (one row per world size and configuration)."""
     from rich.console import Console
@@ -123,10 +115,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         shapes = load_shapes(args.mixture, args.manifest, args.num_samples)
-        cost_model = load_cost_model(args.cost_model)
+        cost_model = load_cost_model(args.cost_model, argument="--cost-model") if args.cost_model else None
         results = compare_policies(shapes, args.world_sizes, m_mem=args.m_mem, m_comp=args.m_comp, p=args.p,
                                    cost_model=cost_model, seed=args.seed)
-    except ValueError as err:
+    except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
     units = "CostModel" if cost_model is not None else "default H200-like cost model"
     render(results, f"{len(shapes):,} samples, {units}")
