@@ -238,7 +238,6 @@ __global__ void __launch_bounds__(bwd_threads(VALUES))
   constexpr int NV = VALUES / VEC;
   __shared__ float2 slots[2][kBwdMaxThreads / kWarp];
   const int tid = threadIdx.x;
-  const int tpr = blockDim.x;
   const int D = static_cast<int>(p.D);
   const int64_t cta = blockIdx.x;
   const int64_t b = cta / g.strips;
@@ -375,6 +374,394 @@ __global__ void __launch_bounds__(bwd_threads(VALUES))
 }
 
 // ------------------------------------------------------------------------------------------------
+// Streamed kernels: per-sample modulation on 16-byte-aligned rows (Wan's chunked modulation and
+// most DiTs). A CTA owns a strip of rows of one sample and every thread stays on the same features
+// for the whole strip, so the modulation is read once into registers. Rows reach shared memory
+// through asynchronous copies (cp.async), several row groups ahead, so the bytes in flight do not
+// cost registers. Each thread reads back only what it copied itself, so the copies need no barrier;
+// the one barrier a row reduction needs is shared by R rows.
+constexpr int kStreamMaxThreads = static_cast<int>(ADALN_MAX_D / 8);  // 768
+constexpr int kStreamFwdRows = 2;
+constexpr int kStreamBwdRows = 1;
+constexpr int kStreamMaxGroups = 8;
+// Rows narrower than this many 16-byte chunks take the row-packing kernels above.
+constexpr int kStreamMinChunks = 64;
+// Shared memory each CTA aims for (row groups in flight); about four CTAs fit on a multiprocessor.
+constexpr int kStreamSmemTarget = 48 * 1024;
+
+struct StreamGrid {
+  int64_t strips;
+  int64_t rows_per_strip;
+  int groups;     // row groups in the shared-memory ring
+  int row_bytes;  // bytes of one staged row
+};
+
+template <int BYTES>
+__device__ __forceinline__ void cp_async(uint32_t dst, const void* src) {
+  if constexpr (BYTES == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(src), "n"(BYTES) : "memory");
+  }
+}
+
+// One pack (VEC elements) from global to shared memory, as 16-byte copies when it is that wide.
+template <typename T, int VEC>
+__device__ __forceinline__ void cp_async_pack(uint32_t dst, const T* src) {
+  constexpr int kBytes = static_cast<int>(sizeof(T)) * VEC;
+  if constexpr (kBytes > 16) {
+#pragma unroll
+    for (int c = 0; c < kBytes / 16; ++c) cp_async<16>(dst + 16 * c, reinterpret_cast<const char*>(src) + 16 * c);
+  } else {
+    cp_async<kBytes>(dst, src);
+  }
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+// Waits until at most `pending` of this thread's copy groups are still in flight.
+__device__ __forceinline__ void cp_async_wait(int pending) {
+  switch (pending) {
+    case 0: asm volatile("cp.async.wait_group 0;\n" ::: "memory"); break;
+    case 1: asm volatile("cp.async.wait_group 1;\n" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 2;\n" ::: "memory"); break;
+    case 3: asm volatile("cp.async.wait_group 3;\n" ::: "memory"); break;
+    case 4: asm volatile("cp.async.wait_group 4;\n" ::: "memory"); break;
+    case 5: asm volatile("cp.async.wait_group 5;\n" ::: "memory"); break;
+    case 6: asm volatile("cp.async.wait_group 6;\n" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_group 7;\n" ::: "memory"); break;
+  }
+}
+
+// Sums of R values over the CTA's threads (one row each); `slots` holds R x 32 floats. Every
+// thread of the CTA must call it. Fixed order, so every thread gets the same bits.
+template <int R>
+__device__ __forceinline__ void cta_sums(float (&v)[R], float (*slots)[kWarp]) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) v[r] = warp_sum(v[r]);
+  const int warps = blockDim.x / kWarp;
+  if (warps == 1) return;
+  if ((threadIdx.x & (kWarp - 1)) == 0) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) slots[r][threadIdx.x / kWarp] = v[r];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    float total = 0.f;
+    for (int w = 0; w < warps; ++w) total += slots[r][w];
+    v[r] = total;
+  }
+}
+
+// Strip of rows [n0, n1) of sample b for CTA blockIdx.x.
+struct Strip {
+  int64_t b, n0, n1;
+  int iters;
+};
+
+template <int R>
+__device__ __forceinline__ Strip strip_of(int64_t N, const StreamGrid& g) {
+  Strip s;
+  s.b = blockIdx.x / g.strips;
+  s.n0 = (blockIdx.x - s.b * g.strips) * g.rows_per_strip;
+  s.n1 = s.n0 + g.rows_per_strip < N ? s.n0 + g.rows_per_strip : N;
+  s.iters = static_cast<int>((s.n1 - s.n0 + R - 1) / R);
+  return s;
+}
+
+// Forward. Thread t covers features (i * T + t) * VEC + [0, VEC) for i < NV. Per row group: one
+// barrier for the R means, one for the R centred variances (exact two-pass, from registers).
+template <typename TX, typename TM, typename TO, int VEC, int NV>
+__global__ void __launch_bounds__(kStreamMaxThreads) adaln_fwd_stream_kernel(const AdalnFwdParams p, const StreamGrid g) {
+  constexpr int R = kStreamFwdRows;
+  constexpr int PX = static_cast<int>(sizeof(TX)) * VEC;
+  extern __shared__ __align__(16) unsigned char ring[];
+  __shared__ float slots[2][R][kWarp];
+  const int tid = threadIdx.x;
+  const int T = blockDim.x;
+  const int D = static_cast<int>(p.D);
+  const Strip st = strip_of<R>(p.N, g);
+  const TX* xb = static_cast<const TX*>(p.x) + st.b * p.x_sb;
+  const uint32_t ring_base = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+
+  auto issue = [&](int j) {
+    if (j < st.iters) {
+      const int slot = (j % g.groups) * R;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int64_t n = st.n0 + static_cast<int64_t>(j) * R + r;
+        if (n < st.n1) {
+#pragma unroll
+          for (int i = 0; i < NV; ++i) {
+            const int col = (i * T + tid) * VEC;
+            if (col < D) {
+              cp_async_pack<TX, VEC>(ring_base + (slot + r) * g.row_bytes + (i * T + tid) * PX, xb + n * p.x_sn + col);
+            }
+          }
+        }
+      }
+    }
+    cp_async_commit();  // empty groups too, so that every thread counts the same groups
+  };
+  for (int j = 0; j < g.groups; ++j) issue(j);
+
+  // y = x̂ * a + c with a = (1 + scale) * weight and c = bias * (1 + scale) + shift, per feature.
+  const TM* scale = static_cast<const TM*>(p.scale) + st.b * p.scale_sb;
+  const TM* shift = static_cast<const TM*>(p.shift) + st.b * p.shift_sb;
+  float a[NV][VEC], c[NV][VEC];
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int col = (i * T + tid) * VEC;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) a[i][j] = c[i][j] = 0.f;
+    if (col < D) {
+      float s[VEC], h[VEC];
+      load_floats<TM, VEC>(scale + col, s);
+      load_floats<TM, VEC>(shift + col, h);
+      if (p.weight != nullptr) {
+        float w[VEC], bi[VEC];
+        load_floats<float, VEC>(p.weight + col, w);
+        load_floats<float, VEC>(p.bias + col, bi);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          a[i][j] = (1.f + s[j]) * w[j];
+          c[i][j] = bi[j] * (1.f + s[j]) + h[j];
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          a[i][j] = 1.f + s[j];
+          c[i][j] = h[j];
+        }
+      }
+    }
+  }
+
+  const float inv_d = 1.f / static_cast<float>(D);
+  TO* yb = static_cast<TO*>(p.y) + st.b * p.N * p.D;
+  for (int j = 0; j < st.iters; ++j) {
+    cp_async_wait(g.groups - 1);
+    const int slot = (j % g.groups) * R;
+    // The group's rows stay packed (x's dtype) in registers and are widened where used.
+    Pack<TX, VEC> v[R][NV];
+    float sum[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      sum[r] = 0.f;
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        const int col = (i * T + tid) * VEC;
+        if (col < D) {
+          v[r][i] = load_pack<TX, VEC>(reinterpret_cast<const TX*>(ring + (slot + r) * g.row_bytes + (i * T + tid) * PX));
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) sum[r] += to_float(v[r][i].v[k]);
+        }
+      }
+    }
+    cta_sums<R>(sum, slots[0]);
+    float sq[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      sum[r] *= inv_d;  // the mean
+      sq[r] = 0.f;
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        if ((i * T + tid) * VEC < D) {
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) {
+            const float d = to_float(v[r][i].v[k]) - sum[r];
+            sq[r] += d * d;
+          }
+        }
+      }
+    }
+    cta_sums<R>(sq, slots[1]);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int64_t n = st.n0 + static_cast<int64_t>(j) * R + r;
+      if (n >= st.n1) break;
+      const float mean = sum[r];
+      const float rstd = rsqrtf(sq[r] * inv_d + p.eps);
+      if (tid == 0) {
+        p.mean[st.b * p.N + n] = mean;
+        p.rstd[st.b * p.N + n] = rstd;
+      }
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        const int col = (i * T + tid) * VEC;
+        if (col < D) {
+          float out[VEC];
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) out[k] = (to_float(v[r][i].v[k]) - mean) * rstd * a[i][k] + c[i][k];
+          store_floats<TO, VEC>(yb + n * p.D + col, out);
+        }
+      }
+    }
+    // This group's slots are in registers now: refill them with the group `groups` ahead.
+    issue(j + g.groups);
+  }
+  cp_async_wait(0);
+}
+
+// Backward for per-sample modulation. Pass 1 over a row group accumulates the column sums
+// A = sum dy * x̂ and H = sum dy and the two row sums dx needs; one barrier for the group; pass 2
+// reads the staged rows again and writes dx. The statistics of the next group load a group ahead.
+template <typename TX, typename TM, typename TD, int VEC, int NV>
+__global__ void __launch_bounds__(kStreamMaxThreads) adaln_bwd_stream_kernel(const AdalnBwdParams p, const StreamGrid g) {
+  constexpr int R = kStreamBwdRows;
+  constexpr int PX = static_cast<int>(sizeof(TX)) * VEC;
+  constexpr int PD = static_cast<int>(sizeof(TD)) * VEC;
+  extern __shared__ __align__(16) unsigned char ring[];
+  __shared__ float slots[2][2 * R][kWarp];
+  const int tid = threadIdx.x;
+  const int T = blockDim.x;
+  const int D = static_cast<int>(p.D);
+  const Strip st = strip_of<R>(p.N, g);
+  const TX* xb = static_cast<const TX*>(p.x) + st.b * p.x_sb;
+  const TD* dyb = static_cast<const TD*>(p.dy) + st.b * p.dy_sb;
+  const uint32_t ring_base = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+  const int dy_off = NV * T * PX;  // the dy half of a staged row
+
+  auto issue = [&](int j) {
+    if (j < st.iters) {
+      const int slot = (j % g.groups) * R;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int64_t n = st.n0 + static_cast<int64_t>(j) * R + r;
+        if (n < st.n1) {
+          const uint32_t row = ring_base + (slot + r) * g.row_bytes;
+#pragma unroll
+          for (int i = 0; i < NV; ++i) {
+            const int col = (i * T + tid) * VEC;
+            if (col < D) {
+              cp_async_pack<TX, VEC>(row + (i * T + tid) * PX, xb + n * p.x_sn + col);
+              cp_async_pack<TD, VEC>(row + dy_off + (i * T + tid) * PD, dyb + n * p.dy_sn + col);
+            }
+          }
+        }
+      }
+    }
+    cp_async_commit();
+  };
+  for (int j = 0; j < g.groups; ++j) issue(j);
+
+  // gv = dy * (1 + scale) * weight = dy * a, per feature.
+  const TM* scale = static_cast<const TM*>(p.scale) + st.b * p.scale_sb;
+  float a[NV][VEC], acc_a[NV][VEC], acc_h[NV][VEC];
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int col = (i * T + tid) * VEC;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) a[i][k] = acc_a[i][k] = acc_h[i][k] = 0.f;
+    if (col < D) {
+      float s[VEC];
+      load_floats<TM, VEC>(scale + col, s);
+      if (p.weight != nullptr) {
+        float w[VEC];
+        load_floats<float, VEC>(p.weight + col, w);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) a[i][k] = (1.f + s[k]) * w[k];
+      } else {
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) a[i][k] = 1.f + s[k];
+      }
+    }
+  }
+
+  const float* mean_b = p.mean + st.b * p.N;
+  const float* rstd_b = p.rstd + st.b * p.N;
+  float mean_next[R], rstd_next[R];
+  auto load_stats = [&](int j) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int64_t n = st.n0 + static_cast<int64_t>(j) * R + r;
+      const bool ok = j < st.iters && n < st.n1;
+      mean_next[r] = ok ? mean_b[n] : 0.f;
+      rstd_next[r] = ok ? rstd_b[n] : 0.f;
+    }
+  };
+  load_stats(0);
+
+  const float inv_d = 1.f / static_cast<float>(D);
+  TX* dxb = static_cast<TX*>(p.dx) + st.b * p.N * p.D;
+  for (int j = 0; j < st.iters; ++j) {
+    float mean[R], rstd[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      mean[r] = mean_next[r];
+      rstd[r] = rstd_next[r];
+    }
+    load_stats(j + 1);
+    cp_async_wait(g.groups - 1);
+    const int slot = (j % g.groups) * R;
+    float sums[2 * R];  // per row: sum gv * x̂, sum gv
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      sums[2 * r] = sums[2 * r + 1] = 0.f;
+      const int64_t n = st.n0 + static_cast<int64_t>(j) * R + r;
+      if (n >= st.n1) continue;  // same for the whole CTA; stale slots never reach the sums
+      const unsigned char* row = ring + (slot + r) * g.row_bytes;
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        if ((i * T + tid) * VEC < D) {
+          float xv[VEC], dy[VEC];
+          load_floats<TX, VEC>(reinterpret_cast<const TX*>(row + (i * T + tid) * PX), xv);
+          load_floats<TD, VEC>(reinterpret_cast<const TD*>(row + dy_off + (i * T + tid) * PD), dy);
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) {
+            const float xh = (xv[k] - mean[r]) * rstd[r];
+            const float gv = dy[k] * a[i][k];
+            acc_a[i][k] += dy[k] * xh;
+            acc_h[i][k] += dy[k];
+            sums[2 * r] += gv * xh;
+            sums[2 * r + 1] += gv;
+          }
+        }
+      }
+    }
+    cta_sums<2 * R>(sums, slots[j & 1]);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int64_t n = st.n0 + static_cast<int64_t>(j) * R + r;
+      if (n >= st.n1) break;
+      const float c1 = sums[2 * r] * inv_d;
+      const float c2 = sums[2 * r + 1] * inv_d;
+      const unsigned char* row = ring + (slot + r) * g.row_bytes;
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        const int col = (i * T + tid) * VEC;
+        if (col < D) {
+          float xv[VEC], dy[VEC], out[VEC];
+          load_floats<TX, VEC>(reinterpret_cast<const TX*>(row + (i * T + tid) * PX), xv);
+          load_floats<TD, VEC>(reinterpret_cast<const TD*>(row + dy_off + (i * T + tid) * PD), dy);
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) {
+            const float xh = (xv[k] - mean[r]) * rstd[r];
+            out[k] = rstd[r] * (dy[k] * a[i][k] - c2 - xh * c1);
+          }
+          store_floats<TX, VEC>(dxb + n * p.D + col, out);
+        }
+      }
+    }
+    issue(j + g.groups);
+  }
+  cp_async_wait(0);
+
+  // One fp32 partial per CTA and feature, in the layout the finishing kernel reads.
+  const int64_t ctas = p.B * g.strips;
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    const int col = (i * T + tid) * VEC;
+    if (col < D) {
+      float* w = p.workspace + static_cast<int64_t>(blockIdx.x) * p.D + col;
+      store_floats<float, VEC>(w, acc_a[i]);
+      store_floats<float, VEC>(w + ctas * p.D, acc_h[i]);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
 // Finishing: out[g, d] = ca[d] * sum_p f(p, d) * A[g, p, d] + ch[d] * sum_p f(p, d) * H[g, p, d],
 // with f = 1 + scale[p / strips, d] for weighted jobs, else 1. p runs in increasing order within 8
 // fixed slices, then the slices are added in order. Up to four jobs share one launch.
@@ -487,31 +874,76 @@ int multiprocessors() {
   return sms;
 }
 
-// CTAs of `threads` threads of `kernel` resident per multiprocessor. The occupancy query costs a few
-// microseconds, about as much as a small backward, so answers are kept per (device, kernel, size).
+// CTAs of `threads` threads of `kernel` (with `smem` bytes of dynamic shared memory) resident per
+// multiprocessor. The occupancy query costs a few microseconds, about as much as a small backward,
+// so answers are kept per (device, kernel, size). Kernels asking for more than the default 48 KB
+// of dynamic shared memory get their limit raised first.
 template <typename Kernel>
-cudaError_t resident_ctas(int* per_sm, Kernel kernel, int threads) {
+cudaError_t resident_ctas(int* per_sm, Kernel kernel, int threads, int smem = 0) {
   struct Entry {
     const void* fn;
-    int dev, threads, per_sm;
+    int dev, threads, smem, per_sm;
   };
-  static Entry cache[64] = {};
+  static Entry cache[128] = {};
   static int used = 0;
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
   const void* fn = reinterpret_cast<const void*>(kernel);
   for (int i = 0; i < used; ++i) {
-    if (cache[i].fn == fn && cache[i].dev == dev && cache[i].threads == threads) {
+    if (cache[i].fn == fn && cache[i].dev == dev && cache[i].threads == threads && cache[i].smem == smem) {
       *per_sm = cache[i].per_sm;
       return cudaSuccess;
     }
   }
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, threads, 0);
+  if (smem > 48 * 1024) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return err;
+  }
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, threads, smem);
   // A full cache only stops remembering; callers run under the GIL or their own locking.
-  if (err == cudaSuccess && used < 64) cache[used++] = Entry{fn, dev, threads, *per_sm};
+  if (err == cudaSuccess && used < 128) cache[used++] = Entry{fn, dev, threads, smem, *per_sm};
   return err;
 }
+
+int smem_optin() {
+  static int cached[64] = {0};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 48 * 1024;
+  if (dev < 64 && cached[dev] > 0) return cached[dev];
+  int bytes = 48 * 1024;
+  cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (dev < 64) cached[dev] = bytes;
+  return bytes;
+}
+
+// The streamed kernels' plan: threads, ring depth and strips of rows, so that the grid fills the
+// multiprocessors once. The workspace query and the launch both use it.
+template <typename Kernel>
+cudaError_t stream_plan(Kernel kernel, int64_t B, int64_t N, int threads, int row_bytes, int rows, StreamGrid* g,
+                        int* smem) {
+  const int group = row_bytes * rows;
+  int groups = kStreamSmemTarget / group;
+  groups = groups < 2 ? 2 : (groups > kStreamMaxGroups ? kStreamMaxGroups : groups);
+  while (groups > 1 && groups * group > smem_optin()) --groups;
+  if (groups * group > smem_optin()) return cudaErrorInvalidValue;
+  *smem = groups * group;
+  int per_sm = 0;
+  const cudaError_t err = resident_ctas(&per_sm, kernel, threads, *smem);
+  if (err != cudaSuccess) return err;
+  if (per_sm < 1) return cudaErrorInvalidConfiguration;
+  const int64_t target = static_cast<int64_t>(multiprocessors()) * per_sm;
+  int64_t strips = ceil_div(target, B);
+  strips = strips < 1 ? 1 : (strips > N ? N : strips);
+  g->rows_per_strip = ceil_div(N, strips);
+  g->strips = ceil_div(N, g->rows_per_strip);
+  g->groups = groups;
+  g->row_bytes = row_bytes;
+  return cudaSuccess;
+}
+
+// Chunks of 16 bytes (one x pack) per row, and how many each streamed thread takes.
+int stream_nv(int64_t chunks) { return chunks <= kStreamMaxThreads ? 1 : 2; }
 
 // The wide vector path needs every row start and pointer aligned to one vector.
 bool fwd_wide_ok(const AdalnFwdParams& p, int vec) {
@@ -552,11 +984,69 @@ cudaError_t launch_fwd(const AdalnFwdParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+template <typename TX, typename TM, typename TO, int VEC, int NV>
+cudaError_t launch_fwd_stream(const AdalnFwdParams& p, cudaStream_t stream) {
+  const int threads = round_up_warp(ceil_div(p.D / VEC, NV));
+  const int row_bytes = NV * threads * static_cast<int>(sizeof(TX)) * VEC;
+  StreamGrid g{};
+  int smem = 0;
+  const auto kernel = adaln_fwd_stream_kernel<TX, TM, TO, VEC, NV>;
+  cudaError_t err = stream_plan(kernel, p.B, p.N, threads, row_bytes, kStreamFwdRows, &g, &smem);
+  if (err != cudaSuccess) return err;
+  const int64_t ctas = p.B * g.strips;
+  if (ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  kernel<<<static_cast<unsigned>(ctas), threads, smem, stream>>>(p, g);
+  return cudaGetLastError();
+}
+
 template <typename TX, typename TM, typename TO>
 cudaError_t fwd_vec(const AdalnFwdParams& p, cudaStream_t stream) {
   constexpr int V = wide_vec<TX>();
-  if (fwd_wide_ok(p, V)) return launch_fwd<TX, TM, TO, V>(p, stream);
-  return launch_fwd<TX, TM, TO, 1>(p, stream);
+  if (!fwd_wide_ok(p, V)) return launch_fwd<TX, TM, TO, 1>(p, stream);
+  const int64_t chunks = p.D / V;
+  if (p.scale_sn == 0 && p.shift_sn == 0 && chunks >= kStreamMinChunks) {
+    if (V == 8 || stream_nv(chunks) == 1) return launch_fwd_stream<TX, TM, TO, V, 1>(p, stream);
+    return launch_fwd_stream<TX, TM, TO, V, V == 8 ? 1 : 2>(p, stream);
+  }
+  return launch_fwd<TX, TM, TO, V>(p, stream);
+}
+
+// Adds the per-CTA partials of the backward (workspace: A then H, [B * strips, D] each) into
+// dscale/dshift and the affine gradients, in a fixed order.
+cudaError_t launch_finish(const AdalnBwdParams& p, int64_t strips, cudaStream_t stream) {
+  const bool affine = p.weight != nullptr;
+  if (p.per_token && !affine) return cudaSuccess;
+  const int64_t ctas = p.B * strips;
+  FinishJobs jobs{};
+  jobs.D = p.D;
+  jobs.col_blocks = ceil_div(p.D, kRedCols);
+  jobs.strips = strips;
+  jobs.scale = p.scale;
+  jobs.scale_sb = p.scale_sb;
+  jobs.scale_dtype = p.mod_dtype;
+  const float* acc_a = p.workspace;
+  const float* acc_h = p.workspace + static_cast<size_t>(ctas) * static_cast<size_t>(p.D);
+  int64_t blocks = 0;
+  auto add = [&](const float* a, const float* h, const float* ca, const float* ch, void* out, int64_t groups,
+                 int64_t parts, AdalnDtype dtype, bool weighted) {
+    FinishJob& j = jobs.job[jobs.count++];
+    j = FinishJob{a, h, ca, ch, out, parts, blocks, dtype, weighted};
+    blocks += groups * jobs.col_blocks;
+  };
+  if (!p.per_token) {
+    add(acc_a, acc_h, p.weight, p.bias, p.dscale, p.B, strips, p.mod_dtype, false);
+    add(acc_h, nullptr, nullptr, nullptr, p.dshift, p.B, strips, p.mod_dtype, false);
+    if (affine) {
+      add(acc_a, nullptr, nullptr, nullptr, p.dweight, 1, ctas, ADALN_F32, true);
+      add(acc_h, nullptr, nullptr, nullptr, p.dbias, 1, ctas, ADALN_F32, true);
+    }
+  } else {
+    add(acc_a, nullptr, nullptr, nullptr, p.dweight, 1, ctas, ADALN_F32, false);
+    add(acc_h, nullptr, nullptr, nullptr, p.dbias, 1, ctas, ADALN_F32, false);
+  }
+  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  adaln_finish_kernel<<<static_cast<unsigned>(blocks), dim3(kRedCols, kRedSlices), 0, stream>>>(jobs);
+  return cudaGetLastError();
 }
 
 // The backward's launch plan; the workspace query and the launch must agree, so both use this.
@@ -596,37 +1086,28 @@ cudaError_t launch_bwd(const AdalnBwdParams& p, cudaStream_t stream, size_t* wor
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
 
-  if (p.per_token && !AFFINE) return cudaSuccess;
-  FinishJobs jobs{};
-  jobs.D = p.D;
-  jobs.col_blocks = ceil_div(p.D, kRedCols);
-  jobs.strips = g.strips;
-  jobs.scale = p.scale;
-  jobs.scale_sb = p.scale_sb;
-  jobs.scale_dtype = p.mod_dtype;
-  const float* acc_a = p.workspace;
-  const float* acc_h = p.workspace + static_cast<size_t>(ctas) * static_cast<size_t>(p.D);
-  int64_t blocks = 0;
-  auto add = [&](const float* a, const float* h, const float* ca, const float* ch, void* out, int64_t groups,
-                 int64_t parts, AdalnDtype dtype, bool weighted) {
-    FinishJob& j = jobs.job[jobs.count++];
-    j = FinishJob{a, h, ca, ch, out, parts, blocks, dtype, weighted};
-    blocks += groups * jobs.col_blocks;
-  };
-  if (!p.per_token) {
-    add(acc_a, acc_h, p.weight, p.bias, p.dscale, p.B, g.strips, p.mod_dtype, false);
-    add(acc_h, nullptr, nullptr, nullptr, p.dshift, p.B, g.strips, p.mod_dtype, false);
-    if (AFFINE) {
-      add(acc_a, nullptr, nullptr, nullptr, p.dweight, 1, ctas, ADALN_F32, true);
-      add(acc_h, nullptr, nullptr, nullptr, p.dbias, 1, ctas, ADALN_F32, true);
-    }
-  } else {
-    add(acc_a, nullptr, nullptr, nullptr, p.dweight, 1, ctas, ADALN_F32, false);
-    add(acc_h, nullptr, nullptr, nullptr, p.dbias, 1, ctas, ADALN_F32, false);
+  return launch_finish(p, g.strips, stream);
+}
+
+template <typename TX, typename TM, typename TD, int VEC, int NV>
+cudaError_t launch_bwd_stream(const AdalnBwdParams& p, cudaStream_t stream, size_t* workspace_bytes) {
+  const int threads = round_up_warp(ceil_div(p.D / VEC, NV));
+  const int row_bytes = NV * threads * static_cast<int>(sizeof(TX) + sizeof(TD)) * VEC;
+  StreamGrid g{};
+  int smem = 0;
+  const auto kernel = adaln_bwd_stream_kernel<TX, TM, TD, VEC, NV>;
+  cudaError_t err = stream_plan(kernel, p.B, p.N, threads, row_bytes, kStreamBwdRows, &g, &smem);
+  if (err != cudaSuccess) return err;
+  const int64_t ctas = p.B * g.strips;
+  if (workspace_bytes != nullptr) {
+    *workspace_bytes = 2 * static_cast<size_t>(ctas) * static_cast<size_t>(p.D) * sizeof(float);
+    return cudaSuccess;
   }
-  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  adaln_finish_kernel<<<static_cast<unsigned>(blocks), dim3(kRedCols, kRedSlices), 0, stream>>>(jobs);
-  return cudaGetLastError();
+  if (ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  kernel<<<static_cast<unsigned>(ctas), threads, smem, stream>>>(p, g);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  return launch_finish(p, g.strips, stream);
 }
 
 template <typename TX, typename TM, typename TD, bool AFFINE>
@@ -634,6 +1115,11 @@ cudaError_t bwd_values(const AdalnBwdParams& p, cudaStream_t stream, size_t* wor
   constexpr int V = wide_vec<TX>();
   const bool wide = bwd_wide_ok(p, V);
   if (!wide) return launch_bwd<TX, TM, TD, 1, AFFINE, kBwdScalarValues>(p, stream, workspace_bytes);
+  const int64_t chunks = p.D / V;
+  if (!p.per_token && chunks >= kStreamMinChunks) {
+    if (V == 8 || stream_nv(chunks) == 1) return launch_bwd_stream<TX, TM, TD, V, 1>(p, stream, workspace_bytes);
+    return launch_bwd_stream<TX, TM, TD, V, V == 8 ? 1 : 2>(p, stream, workspace_bytes);
+  }
   if (p.D <= kBwdSmallValues * kBwdSmallThreads) {
     return launch_bwd<TX, TM, TD, V, AFFINE, kBwdSmallValues>(p, stream, workspace_bytes);
   }

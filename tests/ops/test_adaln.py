@@ -249,6 +249,17 @@ def test_fused_matches_float64(dtype, tol, mod, affine, N, D):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize(("dtype", "tol"), DTYPES)
+@pytest.mark.parametrize("D", [512, 2048, 6144])
+def test_fused_streamed_rows_across_strips(dtype, tol, D):
+    # Per-sample modulation on aligned rows streams each sample's rows through a ring in shared
+    # memory: several samples, strips of ~N/strips rows that wrap the ring many times, a partial
+    # last row group, the narrowest streamed width and the widest (two 16-byte chunks a thread for
+    # fp32, a ring over 48 KB).
+    _check_fused(3, 1999, D, dtype, tol, mod="chunk", affine=D == 2048)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize(("dtype", "tol"), DTYPES[1:])
 def test_fused_modulation_in_x_dtype_and_bf16_output(dtype, tol):
     _check_fused(2, 33, 1536, dtype, tol, mod="chunk", mod_dtype=dtype)
