@@ -380,14 +380,29 @@ __global__ void __launch_bounds__(bwd_threads(VALUES))
 // through asynchronous copies (cp.async), several row groups ahead, so the bytes in flight do not
 // cost registers. Each thread reads back only what it copied itself, so the copies need no barrier;
 // the one barrier a row reduction needs is shared by R rows.
-constexpr int kStreamMaxThreads = static_cast<int>(ADALN_MAX_D / 8);  // 768
+//
+// Each thread holds 16 or 24 features of every row (two or three 16-byte chunks of a 16-bit row,
+// four or six of an fp32 row): enough to amortise a row's reductions and barrier, few enough to
+// keep the modulation and the backward's column sums in registers. Wider rows get more threads.
+constexpr int kStreamFewFeatures = 16;
+constexpr int kStreamManyFeatures = 24;
+constexpr int kStreamMaxThreads = static_cast<int>(ADALN_MAX_D / kStreamFewFeatures);  // 384
+// Register caps (ptxas -v shows no spills at these): the compiler would otherwise take up to 168
+// and halve the CTAs a multiprocessor holds. Few features go with wide rows (many threads), so
+// their caps are lower; fp32 rows take twice the chunks, so more address registers.
+constexpr int stream_regs(bool backward, int nv, int vec) {
+  return backward ? (vec == 8 ? (nv == 3 ? 136 : 96) : (nv == 6 ? 144 : 104))
+                  : (vec == 8 ? (nv == 3 ? 96 : 80) : (nv == 6 ? 128 : 96));
+}
+
+// Rows per barrier (the forward has two reductions a row, the backward one) and the ring's depth.
 constexpr int kStreamFwdRows = 2;
 constexpr int kStreamBwdRows = 1;
 constexpr int kStreamMaxGroups = 8;
 // Rows narrower than this many 16-byte chunks take the row-packing kernels above.
 constexpr int kStreamMinChunks = 64;
-// Shared memory each CTA aims for (row groups in flight); about four CTAs fit on a multiprocessor.
-constexpr int kStreamSmemTarget = 48 * 1024;
+// Shared memory the system keeps per CTA (1 KB on sm_90), left out of the ring's budget.
+constexpr int kStreamSmemReserve = 1024;
 
 struct StreamGrid {
   int64_t strips;
@@ -473,7 +488,7 @@ __device__ __forceinline__ Strip strip_of(int64_t N, const StreamGrid& g) {
 // Forward. Thread t covers features (i * T + t) * VEC + [0, VEC) for i < NV. Per row group: one
 // barrier for the R means, one for the R centred variances (exact two-pass, from registers).
 template <typename TX, typename TM, typename TO, int VEC, int NV>
-__global__ void __launch_bounds__(kStreamMaxThreads) adaln_fwd_stream_kernel(const AdalnFwdParams p, const StreamGrid g) {
+__global__ void __maxnreg__(stream_regs(false, NV, VEC)) adaln_fwd_stream_kernel(const AdalnFwdParams p, const StreamGrid g) {
   constexpr int R = kStreamFwdRows;
   constexpr int PX = static_cast<int>(sizeof(TX)) * VEC;
   extern __shared__ __align__(16) unsigned char ring[];
@@ -543,19 +558,21 @@ __global__ void __launch_bounds__(kStreamMaxThreads) adaln_fwd_stream_kernel(con
   for (int j = 0; j < st.iters; ++j) {
     cp_async_wait(g.groups - 1);
     const int slot = (j % g.groups) * R;
-    // The group's rows stay packed (x's dtype) in registers and are widened where used.
-    Pack<TX, VEC> v[R][NV];
+    // Three passes over the staged rows (shared memory, not registers): sums, centred squares
+    // (exact two-pass variance), output.
+    auto staged = [&](int r, int i) {
+      return load_pack<TX, VEC>(reinterpret_cast<const TX*>(ring + (slot + r) * g.row_bytes + (i * T + tid) * PX));
+    };
     float sum[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       sum[r] = 0.f;
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
-        const int col = (i * T + tid) * VEC;
-        if (col < D) {
-          v[r][i] = load_pack<TX, VEC>(reinterpret_cast<const TX*>(ring + (slot + r) * g.row_bytes + (i * T + tid) * PX));
+        if ((i * T + tid) * VEC < D) {
+          const Pack<TX, VEC> v = staged(r, i);
 #pragma unroll
-          for (int k = 0; k < VEC; ++k) sum[r] += to_float(v[r][i].v[k]);
+          for (int k = 0; k < VEC; ++k) sum[r] += to_float(v.v[k]);
         }
       }
     }
@@ -568,9 +585,10 @@ __global__ void __launch_bounds__(kStreamMaxThreads) adaln_fwd_stream_kernel(con
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
         if ((i * T + tid) * VEC < D) {
+          const Pack<TX, VEC> v = staged(r, i);
 #pragma unroll
           for (int k = 0; k < VEC; ++k) {
-            const float d = to_float(v[r][i].v[k]) - sum[r];
+            const float d = to_float(v.v[k]) - sum[r];
             sq[r] += d * d;
           }
         }
@@ -591,14 +609,16 @@ __global__ void __launch_bounds__(kStreamMaxThreads) adaln_fwd_stream_kernel(con
       for (int i = 0; i < NV; ++i) {
         const int col = (i * T + tid) * VEC;
         if (col < D) {
+          const Pack<TX, VEC> v = staged(r, i);
           float out[VEC];
 #pragma unroll
-          for (int k = 0; k < VEC; ++k) out[k] = (to_float(v[r][i].v[k]) - mean) * rstd * a[i][k] + c[i][k];
+          for (int k = 0; k < VEC; ++k) out[k] = (to_float(v.v[k]) - mean) * rstd * a[i][k] + c[i][k];
           store_floats<TO, VEC>(yb + n * p.D + col, out);
         }
       }
     }
-    // This group's slots are in registers now: refill them with the group `groups` ahead.
+    // Done with this group's slots (every value read above was used): refill them with the group
+    // `groups` ahead.
     issue(j + g.groups);
   }
   cp_async_wait(0);
@@ -608,7 +628,7 @@ __global__ void __launch_bounds__(kStreamMaxThreads) adaln_fwd_stream_kernel(con
 // A = sum dy * x̂ and H = sum dy and the two row sums dx needs; one barrier for the group; pass 2
 // reads the staged rows again and writes dx. The statistics of the next group load a group ahead.
 template <typename TX, typename TM, typename TD, int VEC, int NV>
-__global__ void __launch_bounds__(kStreamMaxThreads) adaln_bwd_stream_kernel(const AdalnBwdParams p, const StreamGrid g) {
+__global__ void __maxnreg__(stream_regs(true, NV, VEC)) adaln_bwd_stream_kernel(const AdalnBwdParams p, const StreamGrid g) {
   constexpr int R = kStreamBwdRows;
   constexpr int PX = static_cast<int>(sizeof(TX)) * VEC;
   constexpr int PD = static_cast<int>(sizeof(TD)) * VEC;
@@ -874,6 +894,39 @@ int multiprocessors() {
   return sms;
 }
 
+int device_attribute(cudaDeviceAttr attr, int fallback) {
+  int dev = 0, value = fallback;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&value, attr, dev) != cudaSuccess) return fallback;
+  return value;
+}
+
+// Lets `kernel` take all the shared memory a CTA may opt in to (beyond the default 48 KB, static
+// and dynamic together), once per kernel and device.
+template <typename Kernel>
+cudaError_t allow_dynamic_smem(Kernel kernel) {
+  static const void* done[128] = {};
+  static int done_dev[128] = {};
+  static int used = 0;
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  const void* fn = reinterpret_cast<const void*>(kernel);
+  for (int i = 0; i < used; ++i) {
+    if (done[i] == fn && done_dev[i] == dev) return cudaSuccess;
+  }
+  cudaFuncAttributes attrs{};
+  err = cudaFuncGetAttributes(&attrs, kernel);
+  if (err != cudaSuccess) return err;
+  const int optin = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, 48 * 1024);
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             optin - static_cast<int>(attrs.sharedSizeBytes));
+  if (err == cudaSuccess && used < 128) {
+    done[used] = fn;
+    done_dev[used++] = dev;
+  }
+  return err;
+}
+
 // CTAs of `threads` threads of `kernel` (with `smem` bytes of dynamic shared memory) resident per
 // multiprocessor. The occupancy query costs a few microseconds, about as much as a small backward,
 // so answers are kept per (device, kernel, size). Kernels asking for more than the default 48 KB
@@ -896,8 +949,8 @@ cudaError_t resident_ctas(int* per_sm, Kernel kernel, int threads, int smem = 0)
       return cudaSuccess;
     }
   }
-  if (smem > 48 * 1024) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (smem > 0) {
+    err = allow_dynamic_smem(kernel);
     if (err != cudaSuccess) return err;
   }
   err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, threads, smem);
@@ -906,44 +959,87 @@ cudaError_t resident_ctas(int* per_sm, Kernel kernel, int threads, int smem = 0)
   return err;
 }
 
-int smem_optin() {
-  static int cached[64] = {0};
+// How a streamed kernel runs at one row width: CTAs per multiprocessor and the ring's size.
+struct StreamRing {
+  int per_sm, groups, smem;
+};
+
+// Registers and threads decide how many CTAs share a multiprocessor; the ring then takes that
+// CTA's share of the multiprocessor's shared memory (2 to 8 row groups), so the bytes in flight
+// per multiprocessor stay about the same at every row width. Kept per (device, kernel, width).
+template <typename Kernel>
+cudaError_t stream_ring(Kernel kernel, int threads, int row_bytes, int rows, StreamRing* ring) {
+  struct Entry {
+    const void* fn;
+    int dev, threads, row_bytes;
+    StreamRing ring;
+  };
+  static Entry cache[128] = {};
+  static int used = 0;
   int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return 48 * 1024;
-  if (dev < 64 && cached[dev] > 0) return cached[dev];
-  int bytes = 48 * 1024;
-  cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  if (dev < 64) cached[dev] = bytes;
-  return bytes;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  const void* fn = reinterpret_cast<const void*>(kernel);
+  for (int i = 0; i < used; ++i) {
+    const Entry& e = cache[i];
+    if (e.fn == fn && e.dev == dev && e.threads == threads && e.row_bytes == row_bytes) {
+      *ring = e.ring;
+      return cudaSuccess;
+    }
+  }
+  int per_sm = 0;
+  err = resident_ctas(&per_sm, kernel, threads, 0);
+  if (err != cudaSuccess) return err;
+  if (per_sm < 1) return cudaErrorInvalidConfiguration;
+  cudaFuncAttributes attrs{};
+  err = cudaFuncGetAttributes(&attrs, kernel);
+  if (err != cudaSuccess) return err;
+  const int static_smem = static_cast<int>(attrs.sharedSizeBytes);
+  const int optin = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, 48 * 1024) - static_smem;
+  const int per_sm_smem = device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, 48 * 1024);
+  int budget = per_sm_smem / per_sm - kStreamSmemReserve - static_smem;
+  budget = budget < optin ? budget : optin;
+  const int group = row_bytes * rows;
+  int groups = budget / group;
+  groups = groups < 2 ? 2 : (groups > kStreamMaxGroups ? kStreamMaxGroups : groups);
+  while (groups > 1 && groups * group > optin) --groups;
+  if (groups * group > optin) return cudaErrorInvalidValue;
+  ring->groups = groups;
+  ring->smem = groups * group;
+  err = resident_ctas(&ring->per_sm, kernel, threads, ring->smem);
+  if (err != cudaSuccess) return err;
+  if (ring->per_sm < 1) return cudaErrorInvalidConfiguration;
+  // A full cache only stops remembering; callers run under the GIL or their own locking.
+  if (used < 128) cache[used++] = Entry{fn, dev, threads, row_bytes, *ring};
+  return cudaSuccess;
 }
 
-// The streamed kernels' plan: threads, ring depth and strips of rows, so that the grid fills the
+// The streamed kernels' plan: the ring and strips of rows so that the grid fills the
 // multiprocessors once. The workspace query and the launch both use it.
 template <typename Kernel>
 cudaError_t stream_plan(Kernel kernel, int64_t B, int64_t N, int threads, int row_bytes, int rows, StreamGrid* g,
                         int* smem) {
-  const int group = row_bytes * rows;
-  int groups = kStreamSmemTarget / group;
-  groups = groups < 2 ? 2 : (groups > kStreamMaxGroups ? kStreamMaxGroups : groups);
-  while (groups > 1 && groups * group > smem_optin()) --groups;
-  if (groups * group > smem_optin()) return cudaErrorInvalidValue;
-  *smem = groups * group;
-  int per_sm = 0;
-  const cudaError_t err = resident_ctas(&per_sm, kernel, threads, *smem);
+  StreamRing ring{};
+  const cudaError_t err = stream_ring(kernel, threads, row_bytes, rows, &ring);
   if (err != cudaSuccess) return err;
-  if (per_sm < 1) return cudaErrorInvalidConfiguration;
-  const int64_t target = static_cast<int64_t>(multiprocessors()) * per_sm;
+  *smem = ring.smem;
+  const int64_t target = static_cast<int64_t>(multiprocessors()) * ring.per_sm;
   int64_t strips = ceil_div(target, B);
   strips = strips < 1 ? 1 : (strips > N ? N : strips);
   g->rows_per_strip = ceil_div(N, strips);
   g->strips = ceil_div(N, g->rows_per_strip);
-  g->groups = groups;
+  g->groups = ring.groups;
   g->row_bytes = row_bytes;
   return cudaSuccess;
 }
 
-// Chunks of 16 bytes (one x pack) per row, and how many each streamed thread takes.
-int stream_nv(int64_t chunks) { return chunks <= kStreamMaxThreads ? 1 : 2; }
+// 16-byte chunks a streamed thread takes (of `chunks` per row): of the two sizes, the one that
+// leaves fewer threads idle in the last warp, the larger on a tie.
+int stream_nv(int64_t chunks, int few, int many) {
+  const int64_t idle_few = round_up_warp(ceil_div(chunks, few)) * few - chunks;
+  const int64_t idle_many = round_up_warp(ceil_div(chunks, many)) * many - chunks;
+  return idle_many <= idle_few ? many : few;
+}
 
 // The wide vector path needs every row start and pointer aligned to one vector.
 bool fwd_wide_ok(const AdalnFwdParams& p, int vec) {
@@ -1005,8 +1101,9 @@ cudaError_t fwd_vec(const AdalnFwdParams& p, cudaStream_t stream) {
   if (!fwd_wide_ok(p, V)) return launch_fwd<TX, TM, TO, 1>(p, stream);
   const int64_t chunks = p.D / V;
   if (p.scale_sn == 0 && p.shift_sn == 0 && chunks >= kStreamMinChunks) {
-    if (V == 8 || stream_nv(chunks) == 1) return launch_fwd_stream<TX, TM, TO, V, 1>(p, stream);
-    return launch_fwd_stream<TX, TM, TO, V, V == 8 ? 1 : 2>(p, stream);
+    constexpr int kFew = kStreamFewFeatures / V, kMany = kStreamManyFeatures / V;
+    if (stream_nv(chunks, kFew, kMany) == kMany) return launch_fwd_stream<TX, TM, TO, V, kMany>(p, stream);
+    return launch_fwd_stream<TX, TM, TO, V, kFew>(p, stream);
   }
   return launch_fwd<TX, TM, TO, V>(p, stream);
 }
@@ -1117,8 +1214,9 @@ cudaError_t bwd_values(const AdalnBwdParams& p, cudaStream_t stream, size_t* wor
   if (!wide) return launch_bwd<TX, TM, TD, 1, AFFINE, kBwdScalarValues>(p, stream, workspace_bytes);
   const int64_t chunks = p.D / V;
   if (!p.per_token && chunks >= kStreamMinChunks) {
-    if (V == 8 || stream_nv(chunks) == 1) return launch_bwd_stream<TX, TM, TD, V, 1>(p, stream, workspace_bytes);
-    return launch_bwd_stream<TX, TM, TD, V, V == 8 ? 1 : 2>(p, stream, workspace_bytes);
+    constexpr int kFew = kStreamFewFeatures / V, kMany = kStreamManyFeatures / V;
+    if (stream_nv(chunks, kFew, kMany) == kMany) return launch_bwd_stream<TX, TM, TD, V, kMany>(p, stream, workspace_bytes);
+    return launch_bwd_stream<TX, TM, TD, V, kFew>(p, stream, workspace_bytes);
   }
   if (p.D <= kBwdSmallValues * kBwdSmallThreads) {
     return launch_bwd<TX, TM, TD, V, AFFINE, kBwdSmallValues>(p, stream, workspace_bytes);
