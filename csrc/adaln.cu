@@ -391,13 +391,13 @@ constexpr int kStreamMaxThreads = static_cast<int>(ADALN_MAX_D / kStreamFewFeatu
 // and halve the CTAs a multiprocessor holds. Few features go with wide rows (many threads), so
 // their caps are lower; fp32 rows take twice the chunks, so more address registers.
 constexpr int stream_regs(bool backward, int nv, int vec) {
-  return backward ? (vec == 8 ? (nv == 3 ? 136 : 96) : (nv == 6 ? 144 : 104))
-                  : (vec == 8 ? (nv == 3 ? 96 : 80) : (nv == 6 ? 128 : 96));
+  return backward ? (vec == 8 ? (nv == 3 ? 136 : 96) : (nv == 6 ? 160 : 104))
+                  : (vec == 8 ? (nv == 3 ? 112 : 88) : (nv == 6 ? 128 : 96));
 }
 
 // Rows per barrier (the forward has two reductions a row, the backward one) and the ring's depth.
-constexpr int kStreamFwdRows = 2;
-constexpr int kStreamBwdRows = 1;
+constexpr int kStreamFwdRows = 4;
+constexpr int kStreamBwdRows = 2;
 constexpr int kStreamMaxGroups = 8;
 // Rows narrower than this many 16-byte chunks take the row-packing kernels above.
 constexpr int kStreamMinChunks = 64;
