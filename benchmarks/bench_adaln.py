@@ -154,13 +154,17 @@ def main() -> None:
                 )
                 torch.cuda.empty_cache()
                 print(_fmt(rows[-1]), flush=True)
+                _write(args.out, bw, rows)  # after every row, so a cut-short run keeps what it measured
     print(HEADER)
     for r in rows:
         print(_fmt(r))
+
+
+def _write(out: str, bw: float, rows: list[dict]) -> None:
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_gbps": bw / 1e9}
-    with open(args.out + ".json", "w") as f:
+    with open(out + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    with open(args.out + ".csv", "w", newline="") as f:
+    with open(out + ".csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)

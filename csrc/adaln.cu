@@ -758,7 +758,7 @@ __global__ void __maxnreg__(stream_regs(true, NV, VEC)) adaln_bwd_stream_kernel(
 #pragma unroll
           for (int k = 0; k < VEC; ++k) {
             const float xh = (xv[k] - mean[r]) * rstd[r];
-            out[k] = rstd[r] * (dy[k] * a[i][k] - c2 - xh * c1);
+            out[k] = rstd[r] * fmaf(dy[k], a[i][k], fmaf(-xh, c1, -c2));
           }
           store_floats<TX, VEC>(dxb + n * p.D + col, out);
         }
