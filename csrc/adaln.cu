@@ -48,10 +48,9 @@ constexpr int kBwdDepth = 2;
 // Forward CTAs pack several short rows so that a CTA has at least this many threads.
 constexpr int kFwdCtaThreads = 256;
 constexpr int kFwdMaxRows = kFwdCtaThreads / kWarp;
-// Final reduction of the per-CTA partials: 32 features x 32 slices of partials per CTA (enough
-// threads in flight that the ~800 partials of a one-sample backward add up in a few microseconds).
+// Final reduction of the per-CTA partials: 32 features x 8 slices of partials per CTA.
 constexpr int kRedCols = 32;
-constexpr int kRedSlices = 32;
+constexpr int kRedSlices = 8;
 
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -784,7 +783,7 @@ __global__ void __maxnreg__(stream_regs(true, NV, VEC)) adaln_bwd_stream_kernel(
 
 // ------------------------------------------------------------------------------------------------
 // Finishing: out[g, d] = ca[d] * sum_p f(p, d) * A[g, p, d] + ch[d] * sum_p f(p, d) * H[g, p, d],
-// with f = 1 + scale[p / strips, d] for weighted jobs, else 1. p runs in increasing order within 32
+// with f = 1 + scale[p / strips, d] for weighted jobs, else 1. p runs in increasing order within 8
 // fixed slices, then the slices are added in order. Up to four jobs share one launch.
 struct FinishJob {
   const float* a;   // [G, P, D]
@@ -835,7 +834,6 @@ __global__ void adaln_finish_kernel(const FinishJobs jobs) {
   float sa = 0.f, sh = 0.f;
   if (d < jobs.D) {
     const int64_t base = grp * job.parts * jobs.D + d;
-#pragma unroll 4
     for (int64_t q = p0; q < p1; ++q) {
       const float f =
           job.weighted ? 1.f + load_any(jobs.scale, (q / jobs.strips) * jobs.scale_sb + d, jobs.scale_dtype) : 1.f;
