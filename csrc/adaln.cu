@@ -1,14 +1,21 @@
 // Fused AdaLN forward and backward kernels (see adaln.h for the launcher API).
 //
-// Forward: one CTA row-group per launch slot, each row of x read once into registers with 16-byte
-// loads, mean and variance reduced with warp shuffles (plus a shared-memory step across warps when
-// a row spans several), modulation applied while y is written. Only mean and rstd (fp32) are kept.
+// Two families. The streamed kernels (per-sample modulation on 16-byte-aligned rows, the common
+// case) give each CTA a strip of one sample's rows; every thread stays on the same 16-24 features
+// for the whole strip, keeps their modulation (and, backward, their column sums) in registers and
+// receives its rows through cp.async into a shared-memory ring several row groups deep. The
+// row-packing kernels (per-token modulation, narrow or unaligned rows) spread each row over one or
+// more warps and keep it in registers, with 16-byte loads where the rows are aligned.
 //
-// Backward: each CTA owns a strip of rows of one sample. Every thread stays on the same features
-// for the whole strip, so the column sums accumulate in registers down the strip and warps read
-// consecutive features (coalesced). dx is finished in the same pass. Each CTA then writes one fp32
-// partial per feature, and a second small kernel adds the partials in a fixed order: deterministic,
-// no atomics, and never an [N, D] intermediate for per-sample modulation.
+// Forward: mean and centred variance are exact two-pass fp32 sums (warp shuffles, then one
+// shared-memory step across warps); the modulation is applied as y is written. Only mean and rstd
+// (fp32) are kept.
+//
+// Backward: threads fixed on features walk down their strip, so the column sums accumulate in
+// registers and warps read consecutive features (coalesced); dx is finished in the same pass. Each
+// CTA then writes one fp32 partial per feature, and a second small kernel adds the partials in a
+// fixed order: deterministic, no atomics, and never an [N, D] intermediate for per-sample
+// modulation.
 //
 // Two accumulators per feature cover every case. Per-sample modulation sums A = sum_n dy * x̂ and
 // H = sum_n dy for each sample b; then dshift_b = H_b, dscale_b = w * A_b + bias * H_b,
