@@ -390,10 +390,10 @@ __global__ void __launch_bounds__(bwd_threads(VALUES))
 //
 // Each thread holds 16 or 24 features of every row (two or three 16-byte chunks of a 16-bit row,
 // four or six of an fp32 row): enough to amortise a row's reductions and barrier, few enough to
-// keep the modulation and the backward's column sums in registers. Wider rows get more threads.
+// keep the modulation and the backward's column sums in registers. Wider rows get more threads (at
+// most 384, for 16 features of a 6144-wide row).
 constexpr int kStreamFewFeatures = 16;
 constexpr int kStreamManyFeatures = 24;
-constexpr int kStreamMaxThreads = static_cast<int>(ADALN_MAX_D / kStreamFewFeatures);  // 384
 // Register caps (ptxas -v shows no spills at these): the compiler would otherwise take up to 168
 // and halve the CTAs a multiprocessor holds. Few features go with wide rows (many threads), so
 // their caps are lower; fp32 rows take twice the chunks, so more address registers.
