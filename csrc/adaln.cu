@@ -390,8 +390,8 @@ __global__ void __launch_bounds__(bwd_threads(VALUES))
 //
 // Each thread holds 16 or 24 features of every row (two or three 16-byte chunks of a 16-bit row,
 // four or six of an fp32 row): enough to amortise a row's reductions and barrier, few enough to
-// keep the modulation and the backward's column sums in registers. Wider rows get more threads (at
-// most 384, for 16 features of a 6144-wide row).
+// keep the modulation and the backward's column sums in registers. Wider rows get more threads
+// (never more than 384 at ADALN_MAX_D).
 constexpr int kStreamFewFeatures = 16;
 constexpr int kStreamManyFeatures = 24;
 // Register caps (ptxas -v shows no spills at these): the compiler would otherwise take up to 168
