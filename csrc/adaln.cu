@@ -28,6 +28,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstdlib>
+
 namespace {
 
 constexpr int kWarp = 32;
@@ -55,9 +57,10 @@ constexpr int kBwdDepth = 2;
 // Forward CTAs pack several short rows so that a CTA has at least this many threads.
 constexpr int kFwdCtaThreads = 256;
 constexpr int kFwdMaxRows = kFwdCtaThreads / kWarp;
-// Final reduction of the per-CTA partials: 32 features x 8 slices of partials per CTA.
+// Final reduction of the per-CTA partials: 32 features x 32 slices of partials per CTA (1024
+// threads), each thread summing its slice with several loads in flight.
 constexpr int kRedCols = 32;
-constexpr int kRedSlices = 8;
+constexpr int kRedSlices = 32;
 
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -156,9 +159,9 @@ __device__ __forceinline__ float2 row_sum2(float2 v, float2* slots) {
 
 // ------------------------------------------------------------------------------------------------
 // Forward. Block (tpr, rows): thread x covers features (i * tpr + x) * VEC + [0, VEC) for i < NV.
-template <typename TX, typename TM, typename TO, int VEC>
+template <typename TX, typename TM, typename TO, int VEC, int VALUES = kFwdValues>
 __global__ void adaln_fwd_kernel(const AdalnFwdParams p) {
-  constexpr int NV = kFwdValues / VEC;
+  constexpr int NV = VALUES / VEC;
   __shared__ float slots[2][kFwdMaxRows][kWarp];
   const int tid = threadIdx.x;
   const int tpr = blockDim.x;
@@ -398,7 +401,7 @@ constexpr int kStreamManyFeatures = 24;
 // and halve the CTAs a multiprocessor holds. Few features go with wide rows (many threads), so
 // their caps are lower; fp32 rows take twice the chunks, so more address registers.
 constexpr int stream_regs(bool backward, int nv, int vec) {
-  return backward ? (vec == 8 ? (nv == 3 ? 136 : 96) : (nv == 6 ? 160 : 104))
+  return backward ? (vec == 8 ? (nv == 3 ? 136 : 96) : (nv == 6 ? 168 : 104))
                   : (vec == 8 ? (nv == 3 ? 112 : 88) : (nv == 6 ? 128 : 96));
 }
 
@@ -412,10 +415,11 @@ constexpr int kStreamMinChunks = 64;
 constexpr int kStreamSmemReserve = 1024;
 
 struct StreamGrid {
-  int64_t strips;
-  int64_t rows_per_strip;
-  int groups;     // row groups in the shared-memory ring
-  int row_bytes;  // bytes of one staged row
+  int64_t strips;          // CTAs per sample
+  int64_t rows_per_strip;  // contiguous order: rows a CTA owns
+  int groups;              // row groups in the shared-memory ring
+  int row_bytes;           // bytes of one staged row
+  int cyclic;              // 1: CTA s of a sample takes row groups s, s + strips, ... (else a strip)
 };
 
 template <int BYTES>
@@ -476,19 +480,32 @@ __device__ __forceinline__ void cta_sums(float (&v)[R], float (*slots)[kWarp]) {
   }
 }
 
-// Strip of rows [n0, n1) of sample b for CTA blockIdx.x.
+// The rows CTA blockIdx.x works on, all of sample b: row group j holds rows base + j * stride + r
+// (r < R) that are below `limit`. Contiguous order: one strip [n0, n1); cyclic order: the R-row
+// groups s, s + strips, s + 2 * strips, ... of the sample.
 struct Strip {
-  int64_t b, n0, n1;
+  int64_t b, base, stride, limit;
   int iters;
+  __device__ __forceinline__ int64_t row(int j, int r) const { return base + static_cast<int64_t>(j) * stride + r; }
 };
 
 template <int R>
 __device__ __forceinline__ Strip strip_of(int64_t N, const StreamGrid& g) {
   Strip s;
   s.b = blockIdx.x / g.strips;
-  s.n0 = (blockIdx.x - s.b * g.strips) * g.rows_per_strip;
-  s.n1 = s.n0 + g.rows_per_strip < N ? s.n0 + g.rows_per_strip : N;
-  s.iters = static_cast<int>((s.n1 - s.n0 + R - 1) / R);
+  const int64_t k = blockIdx.x - s.b * g.strips;
+  if (g.cyclic) {
+    const int64_t groups = (N + R - 1) / R;
+    s.base = k * R;
+    s.stride = g.strips * R;
+    s.limit = N;
+    s.iters = k < groups ? static_cast<int>((groups - k + g.strips - 1) / g.strips) : 0;
+  } else {
+    s.base = k * g.rows_per_strip;
+    s.stride = R;
+    s.limit = s.base + g.rows_per_strip < N ? s.base + g.rows_per_strip : N;
+    s.iters = static_cast<int>((s.limit - s.base + R - 1) / R);
+  }
   return s;
 }
 
@@ -512,8 +529,8 @@ __global__ void __maxnreg__(stream_regs(false, NV, VEC)) adaln_fwd_stream_kernel
       const int slot = (j % g.groups) * R;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        const int64_t n = st.n0 + static_cast<int64_t>(j) * R + r;
-        if (n < st.n1) {
+        const int64_t n = st.row(j, r);
+        if (n < st.limit) {
 #pragma unroll
           for (int i = 0; i < NV; ++i) {
             const int col = (i * T + tid) * VEC;
@@ -604,8 +621,8 @@ __global__ void __maxnreg__(stream_regs(false, NV, VEC)) adaln_fwd_stream_kernel
     cta_sums<R>(sq, slots[1]);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const int64_t n = st.n0 + static_cast<int64_t>(j) * R + r;
-      if (n >= st.n1) break;
+      const int64_t n = st.row(j, r);
+      if (n >= st.limit) break;
       const float mean = sum[r];
       const float rstd = rsqrtf(sq[r] * inv_d + p.eps);
       if (tid == 0) {
@@ -655,8 +672,8 @@ __global__ void __maxnreg__(stream_regs(true, NV, VEC)) adaln_bwd_stream_kernel(
       const int slot = (j % g.groups) * R;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        const int64_t n = st.n0 + static_cast<int64_t>(j) * R + r;
-        if (n < st.n1) {
+        const int64_t n = st.row(j, r);
+        if (n < st.limit) {
           const uint32_t row = ring_base + (slot + r) * g.row_bytes;
 #pragma unroll
           for (int i = 0; i < NV; ++i) {
@@ -702,8 +719,8 @@ __global__ void __maxnreg__(stream_regs(true, NV, VEC)) adaln_bwd_stream_kernel(
   auto load_stats = [&](int j) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const int64_t n = st.n0 + static_cast<int64_t>(j) * R + r;
-      const bool ok = j < st.iters && n < st.n1;
+      const int64_t n = st.row(j, r);
+      const bool ok = j < st.iters && n < st.limit;
       mean_next[r] = ok ? mean_b[n] : 0.f;
       rstd_next[r] = ok ? rstd_b[n] : 0.f;
     }
@@ -726,8 +743,8 @@ __global__ void __maxnreg__(stream_regs(true, NV, VEC)) adaln_bwd_stream_kernel(
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       sums[2 * r] = sums[2 * r + 1] = 0.f;
-      const int64_t n = st.n0 + static_cast<int64_t>(j) * R + r;
-      if (n >= st.n1) continue;  // same for the whole CTA; stale slots never reach the sums
+      const int64_t n = st.row(j, r);
+      if (n >= st.limit) continue;  // same for the whole CTA; stale slots never reach the sums
       const unsigned char* row = ring + (slot + r) * g.row_bytes;
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
@@ -750,8 +767,8 @@ __global__ void __maxnreg__(stream_regs(true, NV, VEC)) adaln_bwd_stream_kernel(
     cta_sums<2 * R>(sums, slots[j & 1]);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const int64_t n = st.n0 + static_cast<int64_t>(j) * R + r;
-      if (n >= st.n1) break;
+      const int64_t n = st.row(j, r);
+      if (n >= st.limit) break;
       const float c1 = sums[2 * r] * inv_d;
       const float c2 = sums[2 * r + 1] * inv_d;
       const unsigned char* row = ring + (slot + r) * g.row_bytes;
@@ -790,8 +807,8 @@ __global__ void __maxnreg__(stream_regs(true, NV, VEC)) adaln_bwd_stream_kernel(
 
 // ------------------------------------------------------------------------------------------------
 // Finishing: out[g, d] = ca[d] * sum_p f(p, d) * A[g, p, d] + ch[d] * sum_p f(p, d) * H[g, p, d],
-// with f = 1 + scale[p / strips, d] for weighted jobs, else 1. p runs in increasing order within 8
-// fixed slices, then the slices are added in order. Up to four jobs share one launch.
+// with f = 1 + scale[p / strips, d] for weighted jobs, else 1. p runs in increasing order within
+// kRedSlices fixed slices, then the slices are added in order. Up to four jobs share one launch.
 struct FinishJob {
   const float* a;   // [G, P, D]
   const float* h;   // [G, P, D] or nullptr
@@ -823,7 +840,7 @@ __device__ __forceinline__ float load_any(const void* p, int64_t i, int dtype) {
   }
 }
 
-__global__ void adaln_finish_kernel(const FinishJobs jobs) {
+__global__ void __launch_bounds__(kRedCols * kRedSlices) adaln_finish_kernel(const FinishJobs jobs) {
   __shared__ float part[kRedSlices][kRedCols + 1];
   const int64_t blk = blockIdx.x;
   // Select the job with constant indices only, so the parameter array stays out of local memory.
@@ -841,6 +858,7 @@ __global__ void adaln_finish_kernel(const FinishJobs jobs) {
   float sa = 0.f, sh = 0.f;
   if (d < jobs.D) {
     const int64_t base = grp * job.parts * jobs.D + d;
+#pragma unroll 4
     for (int64_t q = p0; q < p1; ++q) {
       const float f =
           job.weighted ? 1.f + load_any(jobs.scale, (q / jobs.strips) * jobs.scale_sb + d, jobs.scale_dtype) : 1.f;
@@ -1021,20 +1039,35 @@ cudaError_t stream_ring(Kernel kernel, int threads, int row_bytes, int rows, Str
   return cudaSuccess;
 }
 
+// Tuning knobs read from the environment at every launch (experiments only).
+int knob(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? std::atoi(v) : fallback;
+}
+
 // The streamed kernels' plan: the ring and strips of rows so that the grid fills the
 // multiprocessors once. The workspace query and the launch both use it.
 template <typename Kernel>
-cudaError_t stream_plan(Kernel kernel, int64_t B, int64_t N, int threads, int row_bytes, int rows, StreamGrid* g,
-                        int* smem) {
+cudaError_t stream_plan(Kernel kernel, int64_t B, int64_t N, int threads, int row_bytes, int rows, bool backward,
+                        StreamGrid* g, int* smem) {
   StreamRing ring{};
   const cudaError_t err = stream_ring(kernel, threads, row_bytes, rows, &ring);
   if (err != cudaSuccess) return err;
   *smem = ring.smem;
-  const int64_t target = static_cast<int64_t>(multiprocessors()) * ring.per_sm;
+  const int waves = knob(backward ? "ADALN_BWD_WAVES" : "ADALN_FWD_WAVES", 1);
+  const int64_t target = static_cast<int64_t>(multiprocessors()) * ring.per_sm * (waves < 1 ? 1 : waves);
   int64_t strips = ceil_div(target, B);
-  strips = strips < 1 ? 1 : (strips > N ? N : strips);
-  g->rows_per_strip = ceil_div(N, strips);
-  g->strips = ceil_div(N, g->rows_per_strip);
+  g->cyclic = knob(backward ? "ADALN_BWD_CYCLIC" : "ADALN_FWD_CYCLIC", 0) != 0;
+  if (g->cyclic) {
+    const int64_t groups = ceil_div(N, rows);
+    strips = strips < 1 ? 1 : (strips > groups ? groups : strips);
+    g->strips = strips;
+    g->rows_per_strip = 0;
+  } else {
+    strips = strips < 1 ? 1 : (strips > N ? N : strips);
+    g->rows_per_strip = ceil_div(N, strips);
+    g->strips = ceil_div(N, g->rows_per_strip);
+  }
   g->groups = ring.groups;
   g->row_bytes = row_bytes;
   return cudaSuccess;
@@ -1076,14 +1109,14 @@ bool bwd_wide_ok(const AdalnBwdParams& p, int vec) {
          (p.weight == nullptr || (aligned(p.weight, fb) && aligned(p.bias, fb)));
 }
 
-template <typename TX, typename TM, typename TO, int VEC>
+template <typename TX, typename TM, typename TO, int VEC, int VALUES = kFwdValues>
 cudaError_t launch_fwd(const AdalnFwdParams& p, cudaStream_t stream) {
-  const int tpr = threads_per_row(p.D, VEC, kFwdValues);
+  const int tpr = threads_per_row(p.D, VEC, VALUES);
   int rows = kFwdCtaThreads / tpr;
   rows = rows < 1 ? 1 : (rows > kFwdMaxRows ? kFwdMaxRows : rows);
   const int64_t blocks = ceil_div(p.B * p.N, rows);
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  adaln_fwd_kernel<TX, TM, TO, VEC><<<static_cast<unsigned>(blocks), dim3(tpr, rows), 0, stream>>>(p);
+  adaln_fwd_kernel<TX, TM, TO, VEC, VALUES><<<static_cast<unsigned>(blocks), dim3(tpr, rows), 0, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -1094,7 +1127,7 @@ cudaError_t launch_fwd_stream(const AdalnFwdParams& p, cudaStream_t stream) {
   StreamGrid g{};
   int smem = 0;
   const auto kernel = adaln_fwd_stream_kernel<TX, TM, TO, VEC, NV>;
-  cudaError_t err = stream_plan(kernel, p.B, p.N, threads, row_bytes, kStreamFwdRows, &g, &smem);
+  cudaError_t err = stream_plan(kernel, p.B, p.N, threads, row_bytes, kStreamFwdRows, false, &g, &smem);
   if (err != cudaSuccess) return err;
   const int64_t ctas = p.B * g.strips;
   if (ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
@@ -1107,6 +1140,15 @@ cudaError_t fwd_vec(const AdalnFwdParams& p, cudaStream_t stream) {
   constexpr int V = wide_vec<TX>();
   if (!fwd_wide_ok(p, V)) return launch_fwd<TX, TM, TO, 1>(p, stream);
   const int64_t chunks = p.D / V;
+  const int rowpack_d = knob("ADALN_F32_ROWPACK_D", 0);
+  const bool rowpack = (sizeof(TX) == 4 && rowpack_d > 0 && p.D >= rowpack_d) ||
+                       (sizeof(TX) == 2 && knob("ADALN_FWD16_ROWPACK", 0) != 0);
+  if (rowpack) {
+    const int values = knob("ADALN_FWD_ROWPACK_VALUES", kFwdValues);
+    if (values == 48) return launch_fwd<TX, TM, TO, V, 48>(p, stream);
+    if (values == 64) return launch_fwd<TX, TM, TO, V, 64>(p, stream);
+    return launch_fwd<TX, TM, TO, V>(p, stream);
+  }
   if (p.scale_sn == 0 && p.shift_sn == 0 && chunks >= kStreamMinChunks) {
     constexpr int kFew = kStreamFewFeatures / V, kMany = kStreamManyFeatures / V;
     if (stream_nv(chunks, kFew, kMany) == kMany) return launch_fwd_stream<TX, TM, TO, V, kMany>(p, stream);
@@ -1200,7 +1242,7 @@ cudaError_t launch_bwd_stream(const AdalnBwdParams& p, cudaStream_t stream, size
   StreamGrid g{};
   int smem = 0;
   const auto kernel = adaln_bwd_stream_kernel<TX, TM, TD, VEC, NV>;
-  cudaError_t err = stream_plan(kernel, p.B, p.N, threads, row_bytes, kStreamBwdRows, &g, &smem);
+  cudaError_t err = stream_plan(kernel, p.B, p.N, threads, row_bytes, kStreamBwdRows, true, &g, &smem);
   if (err != cudaSuccess) return err;
   const int64_t ctas = p.B * g.strips;
   if (workspace_bytes != nullptr) {
