@@ -250,13 +250,23 @@ def test_fused_matches_float64(dtype, tol, mod, affine, N, D):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize(("dtype", "tol"), DTYPES)
-@pytest.mark.parametrize("D", [512, 2048, 6144])
+@pytest.mark.parametrize("D", [512, 1000, 2048, 6144])
 def test_fused_streamed_rows_across_strips(dtype, tol, D):
     # Per-sample modulation on aligned rows streams each sample's rows through a ring in shared
     # memory: several samples, strips of ~N/strips rows that wrap the ring many times, a partial
     # last row group, the narrowest streamed width and the widest (two 16-byte chunks a thread for
-    # fp32, a ring over 48 KB).
+    # fp32, a ring over 48 KB); D = 1000 leaves the last warp's chunks partly empty (bounds checks).
     _check_fused(3, 1999, D, dtype, tol, mod="chunk", affine=D == 2048)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("dtype", "tol"), DTYPES)
+@pytest.mark.parametrize("D", [1000, 1536])
+def test_fused_streamed_forward_deals_row_groups_in_turn(dtype, tol, D):
+    # Long samples (at least 4 row groups for every CTA on any GPU up to 132 SMs) make the 16-bit
+    # streamed forward deal its 4-row groups out in turn across CTAs instead of one strip each:
+    # two samples and a partial last group (20001 rows), rows covered exactly and bounds-checked.
+    _check_fused(2, 20001, D, dtype, tol, mod="chunk", affine=D == 1000)
 
 
 @pytest.mark.cuda
