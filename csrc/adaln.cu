@@ -401,7 +401,7 @@ constexpr int kStreamManyFeatures = 24;
 // their caps are lower; fp32 rows take twice the chunks, so more address registers.
 constexpr int stream_regs(bool backward, int nv, int vec) {
   return backward ? (vec == 8 ? (nv == 3 ? 136 : 96) : (nv == 6 ? 168 : 112))
-                  : (vec == 8 ? (nv == 3 ? 112 : 88) : (nv == 6 ? 128 : 96));
+                  : (vec == 8 ? (nv == 3 ? 112 : 88) : (nv == 6 ? 128 : 120));
 }
 
 // Rows per barrier (the forward has two reductions a row, the backward one) and the ring's depth.
@@ -851,6 +851,38 @@ __device__ __forceinline__ float load_any(const void* p, int64_t i, int dtype) {
   }
 }
 
+// sa += f(q) * a[q] (and sh += f(q) * h[q]) for q = p0, p0 + 1, ..., p1 - 1 in that order; the
+// loads of 8 partials are issued before any is added, so a thread has 8 (or 16) in flight.
+template <bool WEIGHTED, bool WITH_H>
+__device__ __forceinline__ void finish_sum(const FinishJob& job, const FinishJobs& jobs, int64_t base, int64_t d,
+                                           int64_t p0, int64_t p1, float& sa, float& sh) {
+  constexpr int U = 8;
+  const int64_t D = jobs.D;
+  auto factor = [&](int64_t q) {
+    return WEIGHTED ? 1.f + load_any(jobs.scale, (q / jobs.strips) * jobs.scale_sb + d, jobs.scale_dtype) : 1.f;
+  };
+  int64_t q = p0;
+  for (; q + U <= p1; q += U) {
+    float va[U], vh[U], f[U];
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      va[k] = __ldcg(job.a + base + (q + k) * D);
+      if constexpr (WITH_H) vh[k] = __ldcg(job.h + base + (q + k) * D);
+      f[k] = factor(q + k);
+    }
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      sa += f[k] * va[k];
+      if constexpr (WITH_H) sh += f[k] * vh[k];
+    }
+  }
+  for (; q < p1; ++q) {
+    const float f = factor(q);
+    sa += f * __ldcg(job.a + base + q * D);
+    if constexpr (WITH_H) sh += f * __ldcg(job.h + base + q * D);
+  }
+}
+
 __global__ void __launch_bounds__(kRedCols * kRedSlices) adaln_finish_kernel(const FinishJobs jobs) {
   __shared__ float part[kRedSlices][kRedCols + 1];
   const int64_t blk = blockIdx.x;
@@ -870,12 +902,12 @@ __global__ void __launch_bounds__(kRedCols * kRedSlices) adaln_finish_kernel(con
   float sa = 0.f, sh = 0.f;
   if (d < jobs.D) {
     const int64_t base = grp * job.parts * jobs.D + d;
-#pragma unroll 8
-    for (int64_t q = p0; q < p1; ++q) {
-      const float f =
-          job.weighted ? 1.f + load_any(jobs.scale, (q / jobs.strips) * jobs.scale_sb + d, jobs.scale_dtype) : 1.f;
-      sa += f * job.a[base + q * jobs.D];
-      if (job.ch != nullptr) sh += f * job.h[base + q * jobs.D];
+    if (job.weighted) {
+      if (job.ch != nullptr) finish_sum<true, true>(job, jobs, base, d, p0, p1, sa, sh);
+      else finish_sum<true, false>(job, jobs, base, d, p0, p1, sa, sh);
+    } else {
+      if (job.ch != nullptr) finish_sum<false, true>(job, jobs, base, d, p0, p1, sa, sh);
+      else finish_sum<false, false>(job, jobs, base, d, p0, p1, sa, sh);
     }
   }
   float v = 0.f;
@@ -1155,18 +1187,25 @@ template <typename TX, typename TM, typename TO, int VEC, int NV>
 cudaError_t fwd_stream(const AdalnFwdParams& p, cudaStream_t stream) {
   bool full = false;
   const int threads = stream_threads(p.D / VEC, NV, &full);
-  return full ? launch_fwd_stream<TX, TM, TO, VEC, NV, true>(p, threads, stream)
-              : launch_fwd_stream<TX, TM, TO, VEC, NV, false>(p, threads, stream);
+  if (full) return launch_fwd_stream<TX, TM, TO, VEC, NV, true>(p, threads, stream);
+  if constexpr (sizeof(TX) == 4) {
+    return launch_fwd<TX, TM, TO, VEC>(p, stream);  // see kStreamMaxF32D
+  } else {
+    return launch_fwd_stream<TX, TM, TO, VEC, NV, false>(p, threads, stream);
+  }
 }
 
-// Per-sample modulation on aligned rows of 16-bit x takes the streamed forward. fp32 x takes the
-// row-packing one: it reads twice the bytes a row, and holding the row in registers measured
-// faster at every benchmark shape (85-98% of copy bandwidth against 78-87% streamed).
+// Per-sample modulation on aligned rows takes the streamed forward, except fp32 rows wider than
+// kStreamMaxF32D or not covered exactly by the CTA's threads: those take the row-packing kernel
+// (rows in registers), which measured faster there (D = 3072: 100% of copy bandwidth against 93%;
+// D = 5120: 99% against 96%) and slower at D = 1536 (82-85% against 90%).
+constexpr int64_t kStreamMaxF32D = 2048;
+
 template <typename TX, typename TM, typename TO>
 cudaError_t fwd_vec(const AdalnFwdParams& p, cudaStream_t stream) {
   constexpr int V = wide_vec<TX>();
   if (!fwd_wide_ok(p, V)) return launch_fwd<TX, TM, TO, 1>(p, stream);
-  if constexpr (sizeof(TX) == 2) {
+  if (sizeof(TX) == 2 || p.D <= kStreamMaxF32D) {
     const int64_t chunks = p.D / V;
     if (p.scale_sn == 0 && p.shift_sn == 0 && chunks >= kStreamMinChunks) {
       constexpr int kFew = kStreamFewFeatures / V, kMany = kStreamManyFeatures / V;
