@@ -1,9 +1,10 @@
 // Fused AdaLN forward and backward kernels (see adaln.h for the launcher API).
 //
 // Two families. The streamed kernels (per-sample modulation on 16-byte-aligned rows, the common
-// case) give each CTA a strip of one sample's rows; every thread stays on the same 16-24 features
-// for the whole strip, keeps their modulation (and, backward, their column sums) in registers and
-// receives its rows through cp.async into a shared-memory ring several row groups deep. The
+// case) give each CTA rows of one sample (a strip, or row groups dealt out in turn); every thread
+// stays on the same 16-24 features for all of them, keeps their modulation (and, backward, their
+// column sums) in registers and receives its rows through cp.async into a shared-memory ring
+// several row groups deep. Rows the CTA's threads cover exactly take kernels without bounds checks. The
 // row-packing kernels (per-token modulation, narrow or unaligned rows) spread each row over one or
 // more warps and keep it in registers, with 16-byte loads where the rows are aligned.
 //
