@@ -26,6 +26,8 @@
 
 #include "adaln.h"
 
+#include <type_traits>
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -97,11 +99,26 @@ __device__ __forceinline__ Pack<T, VEC> load_pack(const T* __restrict__ p) {
   return r;
 }
 
+// A pack's values as floats. bf16 pairs widen with one integer instruction each (the bits moved into
+// the top half of an fp32 word) instead of extracting each half first.
+template <typename T, int VEC>
+__device__ __forceinline__ void unpack(const Pack<T, VEC>& r, float (&out)[VEC]) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && VEC % 2 == 0) {
+#pragma unroll
+    for (int j = 0; j < VEC; j += 2) {
+      const uint32_t w = reinterpret_cast<const uint32_t*>(r.v)[j / 2];
+      out[j] = __uint_as_float(w << 16);
+      out[j + 1] = __uint_as_float(w & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) out[j] = to_float(r.v[j]);
+  }
+}
+
 template <typename T, int VEC>
 __device__ __forceinline__ void load_floats(const T* __restrict__ p, float (&out)[VEC]) {
-  const Pack<T, VEC> r = load_pack<T, VEC>(p);
-#pragma unroll
-  for (int j = 0; j < VEC; ++j) out[j] = to_float(r.v[j]);
+  unpack<T, VEC>(load_pack<T, VEC>(p), out);
 }
 
 template <typename T, int VEC>
@@ -413,6 +430,8 @@ constexpr int kStreamMaxGroups = 8;
 constexpr int kStreamMinChunks = 64;
 // Shared memory the system keeps per CTA (1 KB on sm_90), left out of the ring's budget.
 constexpr int kStreamSmemReserve = 1024;
+// Warps a streamed CTA may have (384 threads at ADALN_MAX_D; slots sized for 16).
+constexpr int kStreamMaxWarps = kWarp / 2;
 
 struct StreamGrid {
   int64_t strips;          // CTAs per sample
@@ -459,10 +478,22 @@ __device__ __forceinline__ void cp_async_wait(int pending) {
   }
 }
 
-// Sums of R values over the CTA's threads (one row each); `slots` holds R x 32 floats. Every
-// thread of the CTA must call it. Fixed order, so every thread gets the same bits.
+// Cross-warp slots of the streamed kernels: one float per warp and row, kStreamMaxWarps wide and
+// zeroed once (clear_slots), so the sum over warps reads whole float4s without a loop bound.
+template <int ROWS>
+using Slots = float[ROWS][kStreamMaxWarps];
+
+template <int N>
+__device__ __forceinline__ void clear_slots(float* slots) {
+  for (int i = threadIdx.x; i < N; i += blockDim.x) slots[i] = 0.f;
+  __syncthreads();
+}
+
+// Sums of R values over the CTA's threads (one row each). Every thread of the CTA must call it.
+// Fixed order (up to 4 warps: one float4 of zero-padded slots, added pairwise; more: in warp
+// order), so every thread gets the same bits.
 template <int R>
-__device__ __forceinline__ void cta_sums(float (&v)[R], float (*slots)[kWarp]) {
+__device__ __forceinline__ void cta_sums(float (&v)[R], Slots<R>& slots) {
 #pragma unroll
   for (int r = 0; r < R; ++r) v[r] = warp_sum(v[r]);
   const int warps = blockDim.x / kWarp;
@@ -472,11 +503,19 @@ __device__ __forceinline__ void cta_sums(float (&v)[R], float (*slots)[kWarp]) {
     for (int r = 0; r < R; ++r) slots[r][threadIdx.x / kWarp] = v[r];
   }
   __syncthreads();
+  if (warps <= 4) {
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    float total = 0.f;
-    for (int w = 0; w < warps; ++w) total += slots[r][w];
-    v[r] = total;
+    for (int r = 0; r < R; ++r) {
+      const float4 q = reinterpret_cast<const float4*>(slots[r])[0];
+      v[r] = (q.x + q.y) + (q.z + q.w);
+    }
+  } else {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float t = 0.f;
+      for (int w = 0; w < warps; ++w) t += slots[r][w];
+      v[r] = t;
+    }
   }
 }
 
@@ -516,7 +555,9 @@ __global__ void __maxnreg__(stream_regs(false, NV, VEC)) adaln_fwd_stream_kernel
   constexpr int R = kStreamFwdRows;
   constexpr int PX = static_cast<int>(sizeof(TX)) * VEC;
   extern __shared__ __align__(16) unsigned char ring[];
-  __shared__ float slots[2][R][kWarp];
+  // Cross-warp slots, one set for each of the two barriers of a row group.
+  __shared__ __align__(16) Slots<R> slots[2];
+  clear_slots<2 * R * kStreamMaxWarps>(&slots[0][0][0]);
   const int tid = threadIdx.x;
   const int T = blockDim.x;
   const int D = static_cast<int>(p.D);
@@ -524,9 +565,10 @@ __global__ void __maxnreg__(stream_regs(false, NV, VEC)) adaln_fwd_stream_kernel
   const TX* xb = static_cast<const TX*>(p.x) + st.b * p.x_sb;
   const uint32_t ring_base = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
 
-  auto issue = [&](int j) {
+  // Row group j goes to ring slot j % groups, passed in as `at` (no integer division in the loop).
+  auto issue = [&](int j, int at) {
     if (j < st.iters) {
-      const int slot = (j % g.groups) * R;
+      const int slot = at * R;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const int64_t n = st.row(j, r);
@@ -543,7 +585,7 @@ __global__ void __maxnreg__(stream_regs(false, NV, VEC)) adaln_fwd_stream_kernel
     }
     cp_async_commit();  // empty groups too, so that every thread counts the same groups
   };
-  for (int j = 0; j < g.groups; ++j) issue(j);
+  for (int j = 0; j < g.groups; ++j) issue(j, j);
 
   // y = x̂ * a + c with a = (1 + scale) * weight and c = bias * (1 + scale) + shift, per feature.
   const TM* scale = static_cast<const TM*>(p.scale) + st.b * p.scale_sb;
@@ -579,34 +621,33 @@ __global__ void __maxnreg__(stream_regs(false, NV, VEC)) adaln_fwd_stream_kernel
 
   const float inv_d = 1.f / static_cast<float>(D);
   TO* yb = static_cast<TO*>(p.y) + st.b * p.N * p.D;
-  for (int j = 0; j < st.iters; ++j) {
+  for (int j = 0, at = 0; j < st.iters; ++j, at = at + 1 == g.groups ? 0 : at + 1) {
     cp_async_wait(g.groups - 1);
-    const int slot = (j % g.groups) * R;
-    // Three passes over the staged rows (shared memory, not registers): sums, centred squares
-    // (exact two-pass variance), output.
+    const int slot = at * R;
     auto staged = [&](int r, int i) {
       return load_pack<TX, VEC>(reinterpret_cast<const TX*>(ring + (slot + r) * g.row_bytes + (i * T + tid) * PX));
     };
-    // Two accumulators a row (even and odd features) halve the dependent-add chains.
-    float sum[R];
+    // Two passes over the staged rows (sums, then centred squares: exact two-pass variance), then
+    // the output. Two accumulators a row (even and odd features) halve the dependent-add chains.
+    float sum[R], sq[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       float s0 = 0.f, s1 = 0.f;
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
         if (FULL || (i * T + tid) * VEC < D) {
-          const Pack<TX, VEC> v = staged(r, i);
+          float v[VEC];
+          unpack<TX, VEC>(staged(r, i), v);
 #pragma unroll
           for (int k = 0; k < VEC; k += 2) {
-            s0 += to_float(v.v[k]);
-            s1 += to_float(v.v[k + 1]);
+            s0 += v[k];
+            s1 += v[k + 1];
           }
         }
       }
       sum[r] = s0 + s1;
     }
     cta_sums<R>(sum, slots[0]);
-    float sq[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       sum[r] *= inv_d;  // the mean
@@ -614,11 +655,12 @@ __global__ void __maxnreg__(stream_regs(false, NV, VEC)) adaln_fwd_stream_kernel
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
         if (FULL || (i * T + tid) * VEC < D) {
-          const Pack<TX, VEC> v = staged(r, i);
+          float v[VEC];
+          unpack<TX, VEC>(staged(r, i), v);
 #pragma unroll
           for (int k = 0; k < VEC; k += 2) {
-            const float d0 = to_float(v.v[k]) - sum[r];
-            const float d1 = to_float(v.v[k + 1]) - sum[r];
+            const float d0 = v[k] - sum[r];
+            const float d1 = v[k + 1] - sum[r];
             q0 = fmaf(d0, d0, q0);
             q1 = fmaf(d1, d1, q1);
           }
@@ -633,6 +675,7 @@ __global__ void __maxnreg__(stream_regs(false, NV, VEC)) adaln_fwd_stream_kernel
       if (n >= st.limit) break;
       const float mean = sum[r];
       const float rstd = rsqrtf(sq[r] * inv_d + p.eps);
+      const float shifted = -mean * rstd;
       if (tid == 0) {
         p.mean[st.b * p.N + n] = mean;
         p.rstd[st.b * p.N + n] = rstd;
@@ -641,17 +684,25 @@ __global__ void __maxnreg__(stream_regs(false, NV, VEC)) adaln_fwd_stream_kernel
       for (int i = 0; i < NV; ++i) {
         const int col = (i * T + tid) * VEC;
         if (FULL || col < D) {
-          const Pack<TX, VEC> v = staged(r, i);
+          float v[VEC];
+          unpack<TX, VEC>(staged(r, i), v);
           float out[VEC];
+          if constexpr (sizeof(TO) == 2) {
+            // x̂ = x * rstd - mean * rstd in one rounding: exact to ~2^-24 |mean| rstd, far under
+            // a 16-bit output's rounding, and one instruction an element fewer.
 #pragma unroll
-          for (int k = 0; k < VEC; ++k) out[k] = (to_float(v.v[k]) - mean) * rstd * a[i][k] + c[i][k];
+            for (int k = 0; k < VEC; ++k) out[k] = fmaf(fmaf(v[k], rstd, shifted), a[i][k], c[i][k]);
+          } else {
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) out[k] = (v[k] - mean) * rstd * a[i][k] + c[i][k];
+          }
           store_floats<TO, VEC>(yb + n * p.D + col, out);
         }
       }
     }
     // Done with this group's slots (every value read above was used): refill them with the group
     // `groups` ahead.
-    issue(j + g.groups);
+    issue(j + g.groups, at);
   }
   cp_async_wait(0);
 }
@@ -665,7 +716,8 @@ __global__ void __maxnreg__(stream_regs(true, NV, VEC)) adaln_bwd_stream_kernel(
   constexpr int PX = static_cast<int>(sizeof(TX)) * VEC;
   constexpr int PD = static_cast<int>(sizeof(TD)) * VEC;
   extern __shared__ __align__(16) unsigned char ring[];
-  __shared__ float slots[2][2 * R][kWarp];
+  __shared__ __align__(16) Slots<2 * R> slots[2];
+  clear_slots<2 * 2 * R * kStreamMaxWarps>(&slots[0][0][0]);
   const int tid = threadIdx.x;
   const int T = blockDim.x;
   const int D = static_cast<int>(p.D);
@@ -675,9 +727,10 @@ __global__ void __maxnreg__(stream_regs(true, NV, VEC)) adaln_bwd_stream_kernel(
   const uint32_t ring_base = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
   const int dy_off = NV * T * PX;  // the dy half of a staged row
 
-  auto issue = [&](int j) {
+  // Row group j goes to ring slot j % groups, passed in as `at` (no integer division in the loop).
+  auto issue = [&](int j, int at) {
     if (j < st.iters) {
-      const int slot = (j % g.groups) * R;
+      const int slot = at * R;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const int64_t n = st.row(j, r);
@@ -696,7 +749,7 @@ __global__ void __maxnreg__(stream_regs(true, NV, VEC)) adaln_bwd_stream_kernel(
     }
     cp_async_commit();
   };
-  for (int j = 0; j < g.groups; ++j) issue(j);
+  for (int j = 0; j < g.groups; ++j) issue(j, j);
 
   // gv = dy * (1 + scale) * weight = dy * a, per feature.
   const TM* scale = static_cast<const TM*>(p.scale) + st.b * p.scale_sb;
@@ -800,7 +853,7 @@ __global__ void __maxnreg__(stream_regs(true, NV, VEC)) adaln_bwd_stream_kernel(
         }
       }
     }
-    issue(j + g.groups);
+    issue(j + g.groups, slot / R);
   }
   cp_async_wait(0);
 
@@ -1164,6 +1217,7 @@ cudaError_t launch_fwd(const AdalnFwdParams& p, cudaStream_t stream) {
 
 template <typename TX, typename TM, typename TO, int VEC, int NV, bool FULL>
 cudaError_t launch_fwd_stream(const AdalnFwdParams& p, int threads, cudaStream_t stream) {
+  if (threads > kStreamMaxWarps * kWarp) return cudaErrorInvalidConfiguration;
   const int row_bytes = NV * threads * static_cast<int>(sizeof(TX)) * VEC;
   StreamGrid g{};
   int smem = 0;
@@ -1305,6 +1359,7 @@ cudaError_t launch_bwd(const AdalnBwdParams& p, cudaStream_t stream, size_t* wor
 
 template <typename TX, typename TM, typename TD, int VEC, int NV, bool FULL>
 cudaError_t launch_bwd_stream(const AdalnBwdParams& p, int threads, cudaStream_t stream, size_t* workspace_bytes) {
+  if (threads > kStreamMaxWarps * kWarp) return cudaErrorInvalidConfiguration;
   const int row_bytes = NV * threads * static_cast<int>(sizeof(TX) + sizeof(TD)) * VEC;
   StreamGrid g{};
   int smem = 0;

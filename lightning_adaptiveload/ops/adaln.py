@@ -245,9 +245,14 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(x, scale, weight, bias, mean, rstd)
     ctx.shift_dtype = shift.dtype
     ctx.mark_non_differentiable(mean, rstd)
+    # mean/rstd never get a gradient; without this autograd would fill two [B * N] zero tensors
+    # for them on every backward.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dy, _dmean, _drstd):
+    if dy is None:  # only mean/rstd reached the loss: they are constants of x, scale and shift
+        return None, None, None, None, None, None, None
     x, scale, weight, bias, mean, rstd = ctx.saved_tensors
     dx, dscale, dshift, dweight, dbias = adaln_bwd(dy, x, scale, weight, bias, mean, rstd)
     if scale.shape[1] != 1:

@@ -301,6 +301,45 @@ def test_fused_backward_is_deterministic():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [1536, 1000, 5120])
+def test_fused_statistics_of_offset_rows_and_outlier_features(dtype, D):
+    # Rows far from zero (mean 300, unit spread) and DiT-style massive activations (feature 0 and
+    # every 97th at 1000x): the saved mean/rstd and y must keep fp32 accuracy, whichever way the
+    # kernel forms the statistics (one pass with per-thread shifts on exactly covered rows).
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = 300 + torch.randn(2, 4001, D, device="cuda", generator=g)
+    x[..., ::97] = 1000 * torch.randn(2, 4001, (D + 96) // 97, device="cuda", generator=g)
+    x = x.to(dtype)
+    s, h = (torch.randn(2, 1, D, device="cuda", generator=g) * 0.5 for _ in range(2))
+    y, mean, rstd = ops.adaln_fwd(x, s, h, None, None, 1e-6, torch.float32)
+    x64 = x.double()
+    mean64 = x64.mean(-1)
+    rstd64 = (x64.var(-1, unbiased=False) + 1e-6).rsqrt()
+    assert _rel(mean, mean64.flatten()) < 1e-6
+    assert _rel(rstd, rstd64.flatten()) < 1e-6
+    assert _rel(y, _ref64(x, s, h)) < 1e-5
+
+
+@pytest.mark.cuda
+def test_fused_backward_launches_no_zero_fills():
+    # mean/rstd are outputs without gradients: autograd must not materialise zeros for them.
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(2, 300, 1536, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    s, h = (torch.randn(2, 1, 1536, device="cuda", requires_grad=True) for _ in range(2))
+    y = adaln(x, s, h)
+    gy = torch.randn_like(y)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.autograd.grad(y, (x, s, h), gy)
+        torch.cuda.synchronize()
+    kernels = [e.key for e in prof.key_averages() if e.device_time_total > 0]
+    assert any("adaln_bwd" in k for k in kernels), kernels
+    assert not [k for k in kernels if "Fill" in k], kernels
+
+
+@pytest.mark.cuda
 def test_fused_opcheck():
     x, s, h, w, b = _make(2, 7, 256, torch.bfloat16, "sample", torch.float32, True)
     s, h = s[:, None], h[:, None]
