@@ -9,6 +9,7 @@ columns launch normally and include each provider's Python/dispatch overhead. Ac
 what the forward keeps alive for backward beyond its inputs and output.
 
     python benchmarks/bench_adaln.py --out benchmarks/results/adaln_h200
+    python benchmarks/bench_adaln.py --out /tmp/small --providers ours --shapes '4,1560,1536'
 """
 
 from __future__ import annotations
@@ -112,16 +113,28 @@ def _fmt(r: dict) -> str:
     )
 
 
+def _parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    shapes = []
+    for item in text.split(";"):
+        parts = item.split(",")
+        if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+            raise SystemExit(f"--shapes: expected 'all', 'quick' or 'B,N,D;B,N,D' with positive integers, got {text!r}")
+        shapes.append(tuple(int(p) for p in parts))
+    return shapes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/adaln_h200")
-    parser.add_argument("--shapes", default="all", help="'all' or 'quick' (first shape only)")
+    parser.add_argument(
+        "--shapes", default="all", help="'all', 'quick' (first shape only) or shapes 'B,N,D;B,N,D' (e.g. '4,1560,1536')"
+    )
     parser.add_argument("--providers", default="all", help="'all' or a comma-separated subset, e.g. 'ours'")
     args = parser.parse_args()
     torch._dynamo.config.cache_size_limit = 64
     bw = copy_bandwidth()
     rows = []
-    shapes = SHAPES if args.shapes == "all" else SHAPES[:1]
+    shapes = {"all": SHAPES, "quick": SHAPES[:1]}.get(args.shapes) or _parse_shapes(args.shapes)
     print(f"copy bandwidth: {bw / 1e9:.0f} GB/s on {torch.cuda.get_device_name()}")
     for B, N, D in shapes:
         for dname, dtype in DTYPES.items():
