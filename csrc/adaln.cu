@@ -727,7 +727,7 @@ __global__ void __maxnreg__(stream_regs(true, NV, VEC)) adaln_bwd_stream_kernel(
   const uint32_t ring_base = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
   const int dy_off = NV * T * PX;  // the dy half of a staged row
 
-  // Row group j goes to ring slot j % groups, passed in as `at` (no integer division in the loop).
+  // Row group j goes to ring slot `at` = j % groups (computed once per group by the caller).
   auto issue = [&](int j, int at) {
     if (j < st.iters) {
       const int slot = at * R;

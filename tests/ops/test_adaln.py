@@ -305,8 +305,8 @@ def test_fused_backward_is_deterministic():
 @pytest.mark.parametrize("D", [1536, 1000, 5120])
 def test_fused_statistics_of_offset_rows_and_outlier_features(dtype, D):
     # Rows far from zero (mean 300, unit spread) and DiT-style massive activations (feature 0 and
-    # every 97th at 1000x): the saved mean/rstd and y must keep fp32 accuracy, whichever way the
-    # kernel forms the statistics (one pass with per-thread shifts on exactly covered rows).
+    # every 97th at 1000x): the saved mean/rstd and y must keep fp32 accuracy, on rows the streamed
+    # kernels cover exactly (1536, 5120) and with bounds checks (1000).
     g = torch.Generator(device="cuda").manual_seed(0)
     x = 300 + torch.randn(2, 4001, D, device="cuda", generator=g)
     x[..., ::97] = 1000 * torch.randn(2, 4001, (D + 96) // 97, device="cuda", generator=g)
