@@ -14,9 +14,11 @@
 //
 // Backward: threads fixed on features walk down their strip, so the column sums accumulate in
 // registers and warps read consecutive features (coalesced); dx is finished in the same pass. Each
-// CTA then writes one fp32 partial per feature, and a second small kernel adds the partials in a
+// CTA then writes one fp32 partial per feature (for short strips on sm_90, each thread-block cluster
+// of 8 CTAs, added in distributed shared memory), and a second small kernel adds the partials in a
 // fixed order: deterministic, no atomics, and never an [N, D] intermediate for per-sample
-// modulation.
+// modulation. On sm_90 the streamed kernels and the finishing kernel launch with programmatic
+// dependent launch, so that each one's launch overlaps the end of the kernel before it.
 //
 // Two accumulators per feature cover every case. Per-sample modulation sums A = sum_n dy * x̂ and
 // H = sum_n dy for each sample b; then dshift_b = H_b, dscale_b = w * A_b + bias * H_b,
@@ -26,8 +28,10 @@
 
 #include "adaln.h"
 
+#include <cstdlib>
 #include <type_traits>
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -432,6 +436,8 @@ constexpr int kStreamMinChunks = 64;
 constexpr int kStreamSmemReserve = 1024;
 // Warps a streamed CTA may have (384 threads at ADALN_MAX_D; slots sized for 16).
 constexpr int kStreamMaxWarps = kWarp / 2;
+// CTAs a backward cluster may have (the portable maximum).
+constexpr int kMaxCluster = 8;
 
 struct StreamGrid {
   int64_t strips;          // CTAs per sample
@@ -439,7 +445,24 @@ struct StreamGrid {
   int groups;              // row groups in the shared-memory ring
   int row_bytes;           // bytes of one staged row
   int cyclic;              // 1: CTA s of a sample takes row groups s, s + strips, ... (else a strip)
+  int cluster;             // backward: CTAs of a thread-block cluster (consecutive strips of a sample)
 };
+
+// Programmatic dependent launch (sm_90): a kernel launched with the programmatic-serialization
+// attribute may start while the previous kernel in the stream drains; it waits here, before its
+// first global-memory access, until that kernel has finished and its writes are visible.
+__device__ __forceinline__ void wait_for_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// Lets the next kernel in the stream (launched with the attribute) start its CTAs as this one's exit.
+__device__ __forceinline__ void allow_next_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
 
 template <int BYTES>
 __device__ __forceinline__ void cp_async(uint32_t dst, const void* src) {
@@ -558,6 +581,7 @@ __global__ void __maxnreg__(stream_regs(false, NV, VEC)) adaln_fwd_stream_kernel
   // Cross-warp slots, one set for each of the two barriers of a row group.
   __shared__ __align__(16) Slots<R> slots[2];
   clear_slots<2 * R * kStreamMaxWarps>(&slots[0][0][0]);
+  wait_for_previous_grid();
   const int tid = threadIdx.x;
   const int T = blockDim.x;
   const int D = static_cast<int>(p.D);
@@ -707,6 +731,47 @@ __global__ void __maxnreg__(stream_regs(false, NV, VEC)) adaln_fwd_stream_kernel
   cp_async_wait(0);
 }
 
+// The column sums of a thread-block cluster's CTAs (consecutive strips of one sample) added through
+// distributed shared memory before they reach global memory: each CTA has put its A and H sums
+// (2 x D floats) at `own`; CTA r of the cluster adds slice r of the columns over the cluster's CTAs
+// in rank order (fixed, so the result is deterministic) and writes it as partial `part` (A at
+// [part, D], H at [parts + part, D]). A cluster of C CTAs writes one partial instead of C, so the
+// backward writes and the finishing kernel reads C times fewer bytes. D is a multiple of 4 here.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void cluster_partials(const float* own, float* workspace, int D, int64_t parts,
+                                                 int64_t part) {
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();  // every CTA's sums are in its shared memory
+  const int ctas = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int quads = D / 2;  // 2 x D floats as float4s
+  const int per = (quads + ctas - 1) / ctas;
+  const int q1 = (rank + 1) * per < quads ? (rank + 1) * per : quads;
+  for (int q = rank * per + static_cast<int>(threadIdx.x); q < q1; q += static_cast<int>(blockDim.x)) {
+    float4 v[kMaxCluster];
+#pragma unroll
+    for (int r = 0; r < kMaxCluster; ++r) {
+      if (r < ctas) v[r] = reinterpret_cast<const float4*>(cluster.map_shared_rank(own, r))[q];
+    }
+    float4 s = v[0];
+#pragma unroll
+    for (int r = 1; r < kMaxCluster; ++r) {
+      if (r < ctas) {
+        s.x += v[r].x;
+        s.y += v[r].y;
+        s.z += v[r].z;
+        s.w += v[r].w;
+      }
+    }
+    const int col = 4 * q;
+    float* dst = col < D ? workspace + part * D + col : workspace + (parts + part) * D + (col - D);
+    *reinterpret_cast<float4*>(dst) = s;
+  }
+  cluster.sync();  // no CTA leaves while another still reads its shared memory
+}
+#endif
+
 // Backward for per-sample modulation. Pass 1 over a row group accumulates the column sums
 // A = sum dy * x̂ and H = sum dy and the two row sums dx needs; one barrier for the group; pass 2
 // reads the staged rows again and writes dx. The statistics of the next group load a group ahead.
@@ -718,6 +783,7 @@ __global__ void __maxnreg__(stream_regs(true, NV, VEC)) adaln_bwd_stream_kernel(
   extern __shared__ __align__(16) unsigned char ring[];
   __shared__ __align__(16) Slots<2 * R> slots[2];
   clear_slots<2 * 2 * R * kStreamMaxWarps>(&slots[0][0][0]);
+  wait_for_previous_grid();
   const int tid = threadIdx.x;
   const int T = blockDim.x;
   const int D = static_cast<int>(p.D);
@@ -856,16 +922,33 @@ __global__ void __maxnreg__(stream_regs(true, NV, VEC)) adaln_bwd_stream_kernel(
     issue(j + g.groups, slot / R);
   }
   cp_async_wait(0);
+  allow_next_grid();
 
-  // One fp32 partial per CTA and feature, in the layout the finishing kernel reads.
-  const int64_t ctas = p.B * g.strips;
+  // One fp32 partial per cluster (or CTA) and feature, in the layout the finishing kernel reads.
+  const int64_t parts = p.B * g.strips / g.cluster;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (g.cluster > 1) {
+    __syncthreads();  // every thread is done with the ring, which now holds this CTA's sums
+    float* own = reinterpret_cast<float*>(ring);
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int col = (i * T + tid) * VEC;
+      if (FULL || col < D) {
+        store_floats<float, VEC>(own + col, acc_a[i]);
+        store_floats<float, VEC>(own + D + col, acc_h[i]);
+      }
+    }
+    cluster_partials(own, p.workspace, D, parts, blockIdx.x / g.cluster);
+    return;
+  }
+#endif
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
     const int col = (i * T + tid) * VEC;
     if (FULL || col < D) {
       float* w = p.workspace + static_cast<int64_t>(blockIdx.x) * p.D + col;
       store_floats<float, VEC>(w, acc_a[i]);
-      store_floats<float, VEC>(w + ctas * p.D, acc_h[i]);
+      store_floats<float, VEC>(w + parts * p.D, acc_h[i]);
     }
   }
 }
@@ -939,6 +1022,7 @@ __device__ __forceinline__ void finish_sum(const FinishJob& job, const FinishJob
 
 __global__ void __launch_bounds__(kRedCols * kRedSlices) adaln_finish_kernel(const FinishJobs jobs) {
   __shared__ float part[kRedSlices][kRedCols + 1];
+  wait_for_previous_grid();
   const int64_t blk = blockIdx.x;
   // Select the job with constant indices only, so the parameter array stays out of local memory.
   FinishJob job = jobs.job[0];
@@ -1020,6 +1104,54 @@ int device_attribute(cudaDeviceAttr attr, int fallback) {
   int dev = 0, value = fallback;
   if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&value, attr, dev) != cudaSuccess) return fallback;
   return value;
+}
+
+// Launch settings from the environment, read once: ADALN_PDL=0 turns off programmatic dependent
+// launch, ADALN_CLUSTER=1 the backward's clusters (see cluster_setting).
+int knob(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != 0 ? std::atoi(v) : fallback;
+}
+
+// Whether the current device has thread-block clusters and programmatic dependent launch (sm_90+).
+bool hopper_or_newer() {
+  return device_attribute(cudaDevAttrComputeCapabilityMajor, 0) >= 9;
+}
+
+// Launches `kernel` on `grid` x `threads` CTAs, in clusters of `cluster` CTAs when > 1, and with
+// programmatic stream serialization when `overlap` (the kernel calls wait_for_previous_grid before
+// its first global-memory access).
+template <typename Kernel, typename... Args>
+cudaError_t launch_ex(Kernel kernel, int64_t grid, int threads, int smem, cudaStream_t stream, int cluster,
+                      bool overlap, Args... args) {
+  if (grid > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid));
+  cfg.blockDim = dim3(static_cast<unsigned>(threads));
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+  cfg.stream = stream;
+  cudaLaunchAttribute attrs[2];
+  unsigned count = 0;
+  if (cluster > 1) {
+    attrs[count].id = cudaLaunchAttributeClusterDimension;
+    attrs[count].val.clusterDim.x = static_cast<unsigned>(cluster);
+    attrs[count].val.clusterDim.y = 1;
+    attrs[count].val.clusterDim.z = 1;
+    ++count;
+  }
+  if (overlap) {
+    attrs[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[count].val.programmaticStreamSerializationAllowed = 1;
+    ++count;
+  }
+  cfg.attrs = attrs;
+  cfg.numAttrs = count;
+  return cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+
+bool overlap_launches() {
+  static const int on = knob("ADALN_PDL", 1);
+  return on != 0 && hopper_or_newer();
 }
 
 // Lets `kernel` take all the shared memory a CTA may opt in to (beyond the default 48 KB, static
@@ -1144,29 +1276,102 @@ cudaError_t stream_ring(Kernel kernel, int threads, int row_bytes, int rows, Str
 // for short strips (4 x 1560 rows). Cyclic strips in the backward were slower at D = 5120.
 constexpr int kStreamCyclicGroups = 4;
 
+// Clusters of `cluster` CTAs of `kernel` the whole device holds at once (a cluster's CTAs share one
+// GPC, so this can be below multiprocessors x CTAs per multiprocessor / cluster). Kept like
+// resident_ctas.
+template <typename Kernel>
+cudaError_t resident_clusters(int* count, Kernel kernel, int threads, int smem, int cluster) {
+  struct Entry {
+    const void* fn;
+    int dev, threads, smem, cluster, count;
+  };
+  static Entry cache[64] = {};
+  static int used = 0;
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  const void* fn = reinterpret_cast<const void*>(kernel);
+  for (int i = 0; i < used; ++i) {
+    const Entry& e = cache[i];
+    if (e.fn == fn && e.dev == dev && e.threads == threads && e.smem == smem && e.cluster == cluster) {
+      *count = e.count;
+      return cudaSuccess;
+    }
+  }
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(cluster));
+  cfg.blockDim = dim3(static_cast<unsigned>(threads));
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = static_cast<unsigned>(cluster);
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  err = cudaOccupancyMaxActiveClusters(count, kernel, &cfg);
+  if (err == cudaSuccess && used < 64) cache[used++] = Entry{fn, dev, threads, smem, cluster, *count};
+  return err;
+}
+
+// The backward's CTAs each write 2 x D fp32 column partials; for short strips these are a large
+// part of a CTA's bytes (8-row strips of 16-bit rows: a sixth), so there the CTAs of a cluster add
+// them in distributed shared memory first and write one partial a cluster. Measured on the H200
+// (forward+backward, D = 1536, clusters of 8 against plain CTAs): 4 x 1560 rows bf16 43.0-45.6 us
+// against 44.5-47.7 (fp32 59.7-60.0 against 59.2-59.3), 2 x 1560 rows 30.1-30.3 against 31.4 (fp32
+// 36.6-36.8 against 37.9-38.3); 42-row strips (1 x 32760 rows bf16) 157.6 against 156.4, so long
+// strips keep plain CTAs.
+constexpr int64_t kClusterMaxRows = 16;
+
+// ADALN_CLUSTER: unset = clusters of kMaxCluster for strips of at most kClusterMaxRows rows;
+// 1 = never; 2, 4 or 8 = always that size. Only on sm_90+ and when the ring can hold a CTA's sums.
+int cluster_setting() {
+  static const int want = knob("ADALN_CLUSTER", 0);
+  return want <= 0 ? 0 : (want >= kMaxCluster ? kMaxCluster : (want >= 4 ? 4 : (want >= 2 ? 2 : 1)));
+}
+
+// Strips of whole row groups covering the N rows of a sample, from `target` CTAs for B samples, in
+// whole clusters (a first guess rounded down, so that the grid stays within one wave).
+void plan_strips(int64_t B, int64_t N, int rows, int64_t target, StreamGrid* g) {
+  int64_t strips = g->cluster > 1 && B * g->cluster <= target ? target / B / g->cluster * g->cluster
+                                                              : ceil_div(target, B);
+  // Whole row groups a strip: a partial group costs a full group's barriers and latency (the
+  // 16-bit forward at 4 x 1560 rows: 6-row strips 85%, 8-row strips 88% of copy bandwidth).
+  strips = strips < 1 ? 1 : (strips > N ? N : strips);
+  g->rows_per_strip = ceil_div(ceil_div(N, strips), rows) * rows;
+  // Strips past the last row (to fill the last cluster) have no rows and add zeros.
+  g->strips = ceil_div(ceil_div(N, g->rows_per_strip), g->cluster) * g->cluster;
+}
+
 template <typename Kernel>
 cudaError_t stream_plan(Kernel kernel, int64_t B, int64_t N, int threads, int row_bytes, int rows, bool backward,
-                        StreamGrid* g, int* smem) {
+                        int64_t D, StreamGrid* g, int* smem) {
   StreamRing ring{};
-  const cudaError_t err = stream_ring(kernel, threads, row_bytes, rows, &ring);
+  cudaError_t err = stream_ring(kernel, threads, row_bytes, rows, &ring);
   if (err != cudaSuccess) return err;
   *smem = ring.smem;
-  const int64_t target = static_cast<int64_t>(multiprocessors()) * ring.per_sm;
-  int64_t strips = ceil_div(target, B);
-  const int64_t groups = ceil_div(N, rows);
-  g->cyclic = !backward && groups >= kStreamCyclicGroups * strips;
-  if (g->cyclic) {
-    g->strips = strips;
-    g->rows_per_strip = 0;
-  } else {
-    // Whole row groups a strip: a partial group costs a full group's barriers and latency (the
-    // 16-bit forward at 4 x 1560 rows: 6-row strips 85%, 8-row strips 88% of copy bandwidth).
-    strips = strips < 1 ? 1 : (strips > N ? N : strips);
-    g->rows_per_strip = ceil_div(ceil_div(N, strips), rows) * rows;
-    g->strips = ceil_div(N, g->rows_per_strip);
-  }
   g->groups = ring.groups;
   g->row_bytes = row_bytes;
+  g->cluster = 1;
+  const int64_t target = static_cast<int64_t>(multiprocessors()) * ring.per_sm;
+  const int64_t groups = ceil_div(N, rows);
+  g->cyclic = !backward && groups >= kStreamCyclicGroups * ceil_div(target, B);
+  if (g->cyclic) {
+    g->strips = ceil_div(target, B);
+    g->rows_per_strip = 0;
+    return cudaSuccess;
+  }
+  plan_strips(B, N, rows, target, g);
+  const int setting = cluster_setting();
+  const bool want = setting == 0 ? g->rows_per_strip <= kClusterMaxRows : setting > 1;
+  if (!backward || !want || !hopper_or_newer() || ring.smem < 8 * D) return cudaSuccess;
+  const int size = setting == 0 ? kMaxCluster : setting;
+  int clusters = 0;
+  err = resident_clusters(&clusters, kernel, threads, ring.smem, size);
+  if (err != cudaSuccess) return err;
+  if (clusters < 1) return cudaSuccess;
+  g->cluster = size;
+  plan_strips(B, N, rows, static_cast<int64_t>(clusters) * size, g);
   return cudaSuccess;
 }
 
@@ -1224,12 +1429,9 @@ cudaError_t launch_fwd_stream(const AdalnFwdParams& p, int threads, cudaStream_t
   StreamGrid g{};
   int smem = 0;
   const auto kernel = adaln_fwd_stream_kernel<TX, TM, TO, VEC, NV, FULL>;
-  cudaError_t err = stream_plan(kernel, p.B, p.N, threads, row_bytes, kStreamFwdRows, false, &g, &smem);
+  cudaError_t err = stream_plan(kernel, p.B, p.N, threads, row_bytes, kStreamFwdRows, false, p.D, &g, &smem);
   if (err != cudaSuccess) return err;
-  const int64_t ctas = p.B * g.strips;
-  if (ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  kernel<<<static_cast<unsigned>(ctas), threads, smem, stream>>>(p, g);
-  return cudaGetLastError();
+  return launch_ex(kernel, p.B * g.strips, threads, smem, stream, 1, overlap_launches(), p, g);
 }
 
 // Threads of a streamed CTA (NV chunks each) and whether they cover the row exactly (no bounds
@@ -1315,8 +1517,16 @@ cudaError_t launch_finish(const AdalnBwdParams& p, int64_t strips, cudaStream_t 
     if (err != cudaSuccess) return err;
     if (blocks <= static_cast<int64_t>(multiprocessors()) * per_sm) break;
   }
-  adaln_finish_kernel<<<static_cast<unsigned>(blocks), dim3(kRedCols, slices), 0, stream>>>(jobs);
-  return cudaGetLastError();
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
+  cfg.blockDim = dim3(kRedCols, slices);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = overlap_launches() ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, adaln_finish_kernel, jobs);
 }
 
 // The backward's launch plan; the workspace query and the launch must agree, so both use this.
@@ -1366,18 +1576,16 @@ cudaError_t launch_bwd_stream(const AdalnBwdParams& p, int threads, cudaStream_t
   StreamGrid g{};
   int smem = 0;
   const auto kernel = adaln_bwd_stream_kernel<TX, TM, TD, VEC, NV, FULL>;
-  cudaError_t err = stream_plan(kernel, p.B, p.N, threads, row_bytes, kStreamBwdRows, true, &g, &smem);
+  cudaError_t err = stream_plan(kernel, p.B, p.N, threads, row_bytes, kStreamBwdRows, true, p.D, &g, &smem);
   if (err != cudaSuccess) return err;
-  const int64_t ctas = p.B * g.strips;
+  const int64_t parts = p.B * g.strips / g.cluster;
   if (workspace_bytes != nullptr) {
-    *workspace_bytes = 2 * static_cast<size_t>(ctas) * static_cast<size_t>(p.D) * sizeof(float);
+    *workspace_bytes = 2 * static_cast<size_t>(parts) * static_cast<size_t>(p.D) * sizeof(float);
     return cudaSuccess;
   }
-  if (ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  kernel<<<static_cast<unsigned>(ctas), threads, smem, stream>>>(p, g);
-  err = cudaGetLastError();
+  err = launch_ex(kernel, p.B * g.strips, threads, smem, stream, g.cluster, overlap_launches(), p, g);
   if (err != cudaSuccess) return err;
-  return launch_finish(p, g.strips, stream);
+  return launch_finish(p, g.strips / g.cluster, stream);
 }
 
 template <typename TX, typename TM, typename TD, int VEC, int NV>

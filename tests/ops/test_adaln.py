@@ -339,6 +339,37 @@ def test_fused_backward_launches_no_zero_fills():
     assert not [k for k in kernels if "Fill" in k], kernels
 
 
+_CLUSTER_SCRIPT = """
+import sys, torch
+from lightning_adaptiveload.ops import adaln
+g = torch.Generator(device="cuda").manual_seed(1)
+x = torch.randn(4, 1560, 1536, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+e = (torch.randn(4, 6, 1536, device="cuda", generator=g) * 0.5).requires_grad_()
+gy = torch.randn(4, 1560, 1536, device="cuda", generator=g, dtype=torch.bfloat16)
+ch = e.chunk(6, dim=1)
+gx, ge = torch.autograd.grad(adaln(x, ch[1], ch[0], out_dtype=torch.bfloat16), (x, e), gy)
+torch.save({"gx": gx.cpu(), "ge": ge.cpu()}, sys.argv[1])
+"""
+
+
+@pytest.mark.cuda
+def test_fused_backward_clusters_and_plain_ctas_agree(tmp_path):
+    # ADALN_CLUSTER=1 turns off the cluster reduction of the column partials: dx must not change at
+    # all and dscale/dshift only by fp32 summation order.
+    import subprocess
+    import sys
+
+    out = {}
+    for cluster in ("1", "8"):
+        path = tmp_path / f"c{cluster}.pt"
+        env = {**os.environ, "ADALN_CLUSTER": cluster}
+        subprocess.run([sys.executable, "-c", _CLUSTER_SCRIPT, str(path)], check=True, env=env, timeout=600)
+        out[cluster] = torch.load(path)
+    assert torch.equal(out["1"]["gx"], out["8"]["gx"])
+    assert _rel(out["8"]["ge"], out["1"]["ge"]) < 1e-6
+    assert out["8"]["ge"][:, 2:].abs().max() == 0 and out["8"]["ge"][:, :2].abs().min() > 0
+
+
 @pytest.mark.cuda
 def test_fused_opcheck():
     x, s, h, w, b = _make(2, 7, 256, torch.bfloat16, "sample", torch.float32, True)
@@ -392,3 +423,33 @@ def test_fused_beyond_2_31_elements():
     xt = x[:, tail].detach().requires_grad_()
     (gx_ref,) = torch.autograd.grad(adaln_ref(xt, s, h, out_dtype=torch.bfloat16), xt, gy[:, tail])
     torch.testing.assert_close(gx[:, tail], gx_ref, atol=2e-2, rtol=2e-2)
+
+
+# Last: a failed capture leaves the CUDA generator unusable for the tests after it.
+@pytest.mark.cuda
+@pytest.mark.parametrize(("B", "N", "D", "dtype"), [(4, 1560, 1536, torch.bfloat16), (3, 1999, 1024, torch.float32)])
+def test_fused_forward_backward_replay_in_a_cuda_graph(B, N, D, dtype):
+    # The streamed kernels launch with programmatic dependent launch and the backward in thread-block
+    # clusters on sm_90: captured into a CUDA graph and replayed, they must give the eager bits.
+    # Everything runs on a side stream (autograd must not tie the capture to the legacy stream).
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        x, s, h, _, _ = _make(B, N, D, dtype, "chunk", torch.float32, False)
+        e = s._base
+        x.requires_grad_()
+        gy = torch.randn(B, N, D, device="cuda", dtype=torch.bfloat16)
+
+        def step():
+            ch = e.chunk(6, dim=1)
+            return torch.autograd.grad(adaln(x, ch[1], ch[3], out_dtype=torch.bfloat16), (x, e), gy)
+
+        eager = step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = step()
+        for _ in range(3):
+            graph.replay()
+    torch.cuda.synchronize()
+    for a, c in zip(eager, captured, strict=True):
+        assert torch.equal(a, c)
