@@ -1118,19 +1118,16 @@ bool hopper_or_newer() {
   return device_attribute(cudaDevAttrComputeCapabilityMajor, 0) >= 9;
 }
 
-// Launches `kernel` on `grid` x `threads` CTAs, in clusters of `cluster` CTAs when > 1, and with
+// A launch of `grid` CTAs of `block` threads, in clusters of `cluster` CTAs when > 1 and with
 // programmatic stream serialization when `overlap` (the kernel calls wait_for_previous_grid before
-// its first global-memory access).
-template <typename Kernel, typename... Args>
-cudaError_t launch_ex(Kernel kernel, int64_t grid, int threads, int smem, cudaStream_t stream, int cluster,
-                      bool overlap, Args... args) {
-  if (grid > 0x7fffffff) return cudaErrorInvalidConfiguration;
+// its first global-memory access); the attributes live in `attrs`.
+cudaLaunchConfig_t launch_config(int64_t grid, dim3 block, int smem, cudaStream_t stream, int cluster, bool overlap,
+                                 cudaLaunchAttribute (&attrs)[2]) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(grid));
-  cfg.blockDim = dim3(static_cast<unsigned>(threads));
+  cfg.blockDim = block;
   cfg.dynamicSmemBytes = static_cast<size_t>(smem);
   cfg.stream = stream;
-  cudaLaunchAttribute attrs[2];
   unsigned count = 0;
   if (cluster > 1) {
     attrs[count].id = cudaLaunchAttributeClusterDimension;
@@ -1146,6 +1143,15 @@ cudaError_t launch_ex(Kernel kernel, int64_t grid, int threads, int smem, cudaSt
   }
   cfg.attrs = attrs;
   cfg.numAttrs = count;
+  return cfg;
+}
+
+template <typename Kernel, typename... Args>
+cudaError_t launch_ex(Kernel kernel, int64_t grid, dim3 block, int smem, cudaStream_t stream, int cluster,
+                      bool overlap, Args... args) {
+  if (grid > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  cudaLaunchAttribute attrs[2];
+  const cudaLaunchConfig_t cfg = launch_config(grid, block, smem, stream, cluster, overlap, attrs);
   return cudaLaunchKernelEx(&cfg, kernel, args...);
 }
 
@@ -1154,63 +1160,71 @@ bool overlap_launches() {
   return on != 0 && hopper_or_newer();
 }
 
+// Answers of the launch-plan queries (occupancy, shared-memory limits, ring sizes), kept per device,
+// kernel and up to three integers: each query costs a few microseconds, about as much as a small
+// backward. A full memo only stops remembering; callers run under the GIL or their own locking.
+template <typename Value>
+class PlanMemo {
+ public:
+  // The kept answer for (current device, fn, a, b, c), else compute(&value) once it succeeds.
+  template <typename Compute>
+  cudaError_t get(const void* fn, int a, int b, int c, Value* out, Compute compute) {
+    int dev = 0;
+    cudaError_t err = cudaGetDevice(&dev);
+    if (err != cudaSuccess) return err;
+    for (int i = 0; i < used_; ++i) {
+      const Entry& e = entries_[i];
+      if (e.fn == fn && e.dev == dev && e.a == a && e.b == b && e.c == c) {
+        *out = e.value;
+        return cudaSuccess;
+      }
+    }
+    err = compute(out);
+    if (err == cudaSuccess && used_ < kSize) entries_[used_++] = Entry{fn, dev, a, b, c, *out};
+    return err;
+  }
+
+ private:
+  static constexpr int kSize = 128;
+  struct Entry {
+    const void* fn;
+    int dev, a, b, c;
+    Value value;
+  };
+  Entry entries_[kSize] = {};
+  int used_ = 0;
+};
+
 // Lets `kernel` take all the shared memory a CTA may opt in to (beyond the default 48 KB, static
 // and dynamic together), once per kernel and device.
 template <typename Kernel>
 cudaError_t allow_dynamic_smem(Kernel kernel) {
-  static const void* done[128] = {};
-  static int done_dev[128] = {};
-  static int used = 0;
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return err;
-  const void* fn = reinterpret_cast<const void*>(kernel);
-  for (int i = 0; i < used; ++i) {
-    if (done[i] == fn && done_dev[i] == dev) return cudaSuccess;
-  }
-  cudaFuncAttributes attrs{};
-  err = cudaFuncGetAttributes(&attrs, kernel);
-  if (err != cudaSuccess) return err;
-  const int optin = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, 48 * 1024);
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             optin - static_cast<int>(attrs.sharedSizeBytes));
-  if (err == cudaSuccess && used < 128) {
-    done[used] = fn;
-    done_dev[used++] = dev;
-  }
-  return err;
+  static PlanMemo<int> memo;
+  int done = 0;
+  return memo.get(reinterpret_cast<const void*>(kernel), 0, 0, 0, &done, [&](int* out) {
+    cudaFuncAttributes attrs{};
+    cudaError_t err = cudaFuncGetAttributes(&attrs, kernel);
+    if (err != cudaSuccess) return err;
+    const int optin = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, 48 * 1024);
+    *out = 1;
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                optin - static_cast<int>(attrs.sharedSizeBytes));
+  });
 }
 
 // CTAs of `threads` threads of `kernel` (with `smem` bytes of dynamic shared memory) resident per
-// multiprocessor. The occupancy query costs a few microseconds, about as much as a small backward,
-// so answers are kept per (device, kernel, size). Kernels asking for more than the default 48 KB
-// of dynamic shared memory get their limit raised first.
+// multiprocessor. Kernels asking for more than the default 48 KB of dynamic shared memory get their
+// limit raised first.
 template <typename Kernel>
 cudaError_t resident_ctas(int* per_sm, Kernel kernel, int threads, int smem = 0) {
-  struct Entry {
-    const void* fn;
-    int dev, threads, smem, per_sm;
-  };
-  static Entry cache[128] = {};
-  static int used = 0;
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return err;
-  const void* fn = reinterpret_cast<const void*>(kernel);
-  for (int i = 0; i < used; ++i) {
-    if (cache[i].fn == fn && cache[i].dev == dev && cache[i].threads == threads && cache[i].smem == smem) {
-      *per_sm = cache[i].per_sm;
-      return cudaSuccess;
+  static PlanMemo<int> memo;
+  return memo.get(reinterpret_cast<const void*>(kernel), threads, smem, 0, per_sm, [&](int* out) {
+    if (smem > 0) {
+      const cudaError_t err = allow_dynamic_smem(kernel);
+      if (err != cudaSuccess) return err;
     }
-  }
-  if (smem > 0) {
-    err = allow_dynamic_smem(kernel);
-    if (err != cudaSuccess) return err;
-  }
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, threads, smem);
-  // A full cache only stops remembering; callers run under the GIL or their own locking.
-  if (err == cudaSuccess && used < 128) cache[used++] = Entry{fn, dev, threads, smem, *per_sm};
-  return err;
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(out, kernel, threads, smem);
+  });
 }
 
 // How a streamed kernel runs at one row width: CTAs per multiprocessor and the ring's size.
@@ -1223,49 +1237,31 @@ struct StreamRing {
 // per multiprocessor stay about the same at every row width. Kept per (device, kernel, width).
 template <typename Kernel>
 cudaError_t stream_ring(Kernel kernel, int threads, int row_bytes, int rows, StreamRing* ring) {
-  struct Entry {
-    const void* fn;
-    int dev, threads, row_bytes;
-    StreamRing ring;
-  };
-  static Entry cache[128] = {};
-  static int used = 0;
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return err;
-  const void* fn = reinterpret_cast<const void*>(kernel);
-  for (int i = 0; i < used; ++i) {
-    const Entry& e = cache[i];
-    if (e.fn == fn && e.dev == dev && e.threads == threads && e.row_bytes == row_bytes) {
-      *ring = e.ring;
-      return cudaSuccess;
-    }
-  }
-  int per_sm = 0;
-  err = resident_ctas(&per_sm, kernel, threads, 0);
-  if (err != cudaSuccess) return err;
-  if (per_sm < 1) return cudaErrorInvalidConfiguration;
-  cudaFuncAttributes attrs{};
-  err = cudaFuncGetAttributes(&attrs, kernel);
-  if (err != cudaSuccess) return err;
-  const int static_smem = static_cast<int>(attrs.sharedSizeBytes);
-  const int optin = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, 48 * 1024) - static_smem;
-  const int per_sm_smem = device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, 48 * 1024);
-  int budget = per_sm_smem / per_sm - kStreamSmemReserve - static_smem;
-  budget = budget < optin ? budget : optin;
-  const int group = row_bytes * rows;
-  int groups = budget / group;
-  groups = groups < 2 ? 2 : (groups > kStreamMaxGroups ? kStreamMaxGroups : groups);
-  while (groups > 1 && groups * group > optin) --groups;
-  if (groups * group > optin) return cudaErrorInvalidValue;
-  ring->groups = groups;
-  ring->smem = groups * group;
-  err = resident_ctas(&ring->per_sm, kernel, threads, ring->smem);
-  if (err != cudaSuccess) return err;
-  if (ring->per_sm < 1) return cudaErrorInvalidConfiguration;
-  // A full cache only stops remembering; callers run under the GIL or their own locking.
-  if (used < 128) cache[used++] = Entry{fn, dev, threads, row_bytes, *ring};
-  return cudaSuccess;
+  static PlanMemo<StreamRing> memo;
+  return memo.get(reinterpret_cast<const void*>(kernel), threads, row_bytes, rows, ring, [&](StreamRing* out) {
+    int per_sm = 0;
+    cudaError_t err = resident_ctas(&per_sm, kernel, threads, 0);
+    if (err != cudaSuccess) return err;
+    if (per_sm < 1) return cudaErrorInvalidConfiguration;
+    cudaFuncAttributes attrs{};
+    err = cudaFuncGetAttributes(&attrs, kernel);
+    if (err != cudaSuccess) return err;
+    const int static_smem = static_cast<int>(attrs.sharedSizeBytes);
+    const int optin = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, 48 * 1024) - static_smem;
+    const int per_sm_smem = device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, 48 * 1024);
+    int budget = per_sm_smem / per_sm - kStreamSmemReserve - static_smem;
+    budget = budget < optin ? budget : optin;
+    const int group = row_bytes * rows;
+    int groups = budget / group;
+    groups = groups < 2 ? 2 : (groups > kStreamMaxGroups ? kStreamMaxGroups : groups);
+    while (groups > 1 && groups * group > optin) --groups;
+    if (groups * group > optin) return cudaErrorInvalidValue;
+    out->groups = groups;
+    out->smem = groups * group;
+    err = resident_ctas(&out->per_sm, kernel, threads, out->smem);
+    if (err != cudaSuccess) return err;
+    return out->per_sm < 1 ? cudaErrorInvalidConfiguration : cudaSuccess;
+  });
 }
 
 // The streamed kernels' plan: the ring, and enough CTAs to fill the multiprocessors once. The
@@ -1277,41 +1273,15 @@ cudaError_t stream_ring(Kernel kernel, int threads, int row_bytes, int rows, Str
 constexpr int kStreamCyclicGroups = 4;
 
 // Clusters of `cluster` CTAs of `kernel` the whole device holds at once (a cluster's CTAs share one
-// GPC, so this can be below multiprocessors x CTAs per multiprocessor / cluster). Kept like
-// resident_ctas.
+// GPC, so this can be below multiprocessors x CTAs per multiprocessor / cluster).
 template <typename Kernel>
 cudaError_t resident_clusters(int* count, Kernel kernel, int threads, int smem, int cluster) {
-  struct Entry {
-    const void* fn;
-    int dev, threads, smem, cluster, count;
-  };
-  static Entry cache[64] = {};
-  static int used = 0;
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return err;
-  const void* fn = reinterpret_cast<const void*>(kernel);
-  for (int i = 0; i < used; ++i) {
-    const Entry& e = cache[i];
-    if (e.fn == fn && e.dev == dev && e.threads == threads && e.smem == smem && e.cluster == cluster) {
-      *count = e.count;
-      return cudaSuccess;
-    }
-  }
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(cluster));
-  cfg.blockDim = dim3(static_cast<unsigned>(threads));
-  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = static_cast<unsigned>(cluster);
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  err = cudaOccupancyMaxActiveClusters(count, kernel, &cfg);
-  if (err == cudaSuccess && used < 64) cache[used++] = Entry{fn, dev, threads, smem, cluster, *count};
-  return err;
+  static PlanMemo<int> memo;
+  return memo.get(reinterpret_cast<const void*>(kernel), threads, smem, cluster, count, [&](int* out) {
+    cudaLaunchAttribute attrs[2];
+    const cudaLaunchConfig_t cfg = launch_config(cluster, dim3(threads), smem, nullptr, cluster, false, attrs);
+    return cudaOccupancyMaxActiveClusters(out, kernel, &cfg);
+  });
 }
 
 // The backward's CTAs each write 2 x D fp32 column partials; for short strips these are a large
@@ -1431,7 +1401,7 @@ cudaError_t launch_fwd_stream(const AdalnFwdParams& p, int threads, cudaStream_t
   const auto kernel = adaln_fwd_stream_kernel<TX, TM, TO, VEC, NV, FULL>;
   cudaError_t err = stream_plan(kernel, p.B, p.N, threads, row_bytes, kStreamFwdRows, false, p.D, &g, &smem);
   if (err != cudaSuccess) return err;
-  return launch_ex(kernel, p.B * g.strips, threads, smem, stream, 1, overlap_launches(), p, g);
+  return launch_ex(kernel, p.B * g.strips, dim3(threads), smem, stream, 1, overlap_launches(), p, g);
 }
 
 // Threads of a streamed CTA (NV chunks each) and whether they cover the row exactly (no bounds
@@ -1517,16 +1487,7 @@ cudaError_t launch_finish(const AdalnBwdParams& p, int64_t strips, cudaStream_t 
     if (err != cudaSuccess) return err;
     if (blocks <= static_cast<int64_t>(multiprocessors()) * per_sm) break;
   }
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-  cfg.blockDim = dim3(kRedCols, slices);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = overlap_launches() ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, adaln_finish_kernel, jobs);
+  return launch_ex(adaln_finish_kernel, blocks, dim3(kRedCols, slices), 0, stream, 1, overlap_launches(), jobs);
 }
 
 // The backward's launch plan; the workspace query and the launch must agree, so both use this.
@@ -1583,7 +1544,7 @@ cudaError_t launch_bwd_stream(const AdalnBwdParams& p, int threads, cudaStream_t
     *workspace_bytes = 2 * static_cast<size_t>(parts) * static_cast<size_t>(p.D) * sizeof(float);
     return cudaSuccess;
   }
-  err = launch_ex(kernel, p.B * g.strips, threads, smem, stream, g.cluster, overlap_launches(), p, g);
+  err = launch_ex(kernel, p.B * g.strips, dim3(threads), smem, stream, g.cluster, overlap_launches(), p, g);
   if (err != cudaSuccess) return err;
   return launch_finish(p, g.strips / g.cluster, stream);
 }
