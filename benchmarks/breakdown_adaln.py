@@ -1,7 +1,9 @@
 """Where the fused AdaLN forward+backward spends its GPU time: every kernel of one step (ours and the
-autograd glue around it, e.g. the gradient of Wan's ``e.chunk(6)``), from the PyTorch profiler.
+autograd glue around it, e.g. the gradient of Wan's ``e.chunk(6)``), from the PyTorch profiler;
+with ``--graph``, CUDA-graph replays of the parts instead (the profiler's kernel spans overlap once
+kernels launch with programmatic dependent launch).
 
-    python benchmarks/breakdown_adaln.py [--shape 1,32760,1536] [--dtype bf16] [--steps 20]
+    python benchmarks/breakdown_adaln.py [--shape 1,32760,1536] [--dtype bf16] [--steps 20] [--graph]
 """
 
 from __future__ import annotations
@@ -9,9 +11,44 @@ from __future__ import annotations
 import argparse
 
 import torch
+import triton.testing
 from torch.profiler import ProfilerActivity, profile
 
 from lightning_adaptiveload.ops import adaln
+from lightning_adaptiveload.ops.adaln import adaln_bwd, adaln_fwd
+
+
+def graph_parts(B: int, N: int, D: int, dtype: torch.dtype) -> dict[str, float]:
+    """Median CUDA-graph replay time (us) of: the forward op; the backward op (dx, dscale, dshift
+    from saved statistics, finishing reduction included); forward+backward through autograd with
+    the modulation as leaf views of a [B, 6, D] tensor (no chunk gradient); and with Wan's
+    ``e.chunk(6)`` inside the step (its gradient adds zero fills for the unused chunks and a cat)."""
+    x = torch.randn(B, N, D, device="cuda", dtype=dtype, requires_grad=True)
+    e = (torch.randn(B, 6, D, device="cuda") * 0.1).requires_grad_()
+    gy = torch.randn(B, N, D, device="cuda", dtype=torch.bfloat16)
+    views = [v.requires_grad_() for v in e.detach().chunk(6, dim=1)[:2]]  # strided leaves
+    with torch.no_grad():
+        _, mean, rstd = adaln_fwd(x, views[1], views[0], None, None, 1e-6, torch.bfloat16)
+
+    def chunked():
+        ch = e.chunk(6, dim=1)
+        return torch.autograd.grad(adaln(x, ch[1], ch[0], out_dtype=torch.bfloat16), (x, e), gy)
+
+    def leaves():
+        return torch.autograd.grad(adaln(x, views[1], views[0], out_dtype=torch.bfloat16), (x, *views), gy)
+
+    parts = {
+        "forward op": lambda: adaln_fwd(x, views[1], views[0], None, None, 1e-6, torch.bfloat16),
+        "backward op": lambda: adaln_bwd(gy, x, views[1], None, None, mean, rstd),
+        "fwd+bwd, leaf views": leaves,
+        "fwd+bwd, e.chunk(6)": chunked,
+    }
+    out = {}
+    for name, fn in parts.items():
+        grad = torch.enable_grad() if name.startswith("fwd+bwd") else torch.no_grad()
+        with grad:
+            out[name] = 1e3 * triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median")
+    return out
 
 
 def main() -> None:
@@ -19,10 +56,16 @@ def main() -> None:
     parser.add_argument("--shape", action="append", help="B,N,D (repeatable); default two Wan shapes")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--graph", action="store_true", help="time the parts as CUDA-graph replays")
     args = parser.parse_args()
     shapes = [tuple(int(v) for v in s.split(",")) for s in (args.shape or ["1,32760,1536", "4,1560,1536"])]
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     for B, N, D in shapes:
+        if args.graph:
+            print(f"\n{(B, N, D)} {args.dtype}: CUDA-graph replay, median us")
+            for name, us in graph_parts(B, N, D, dtype).items():
+                print(f"  {us:8.2f}  {name}")
+            continue
         x = torch.randn(B, N, D, device="cuda", dtype=dtype, requires_grad=True)
         e = (torch.randn(B, 6, D, device="cuda") * 0.1).requires_grad_()
         gy = torch.randn(B, N, D, device="cuda", dtype=torch.bfloat16)
