@@ -457,7 +457,8 @@ __device__ __forceinline__ void wait_for_previous_grid() {
 #endif
 }
 
-// Lets the next kernel in the stream (launched with the attribute) start its CTAs as this one's exit.
+// Lets the next kernel in the stream (launched with the attribute) start its CTAs once every CTA of
+// this one has called this or exited; they still wait in wait_for_previous_grid for this one's end.
 __device__ __forceinline__ void allow_next_grid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
