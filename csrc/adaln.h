@@ -61,8 +61,9 @@ bool adaln_supported(AdalnDtype x_dtype, AdalnDtype mod_dtype, AdalnDtype out_dt
 
 cudaError_t adaln_fwd(const AdalnFwdParams& p, cudaStream_t stream);
 
-// Scratch the backward needs for its per-CTA (or per-cluster) fp32 partial sums (0 when it needs none). Depends on
-// the current device's multiprocessor count, so query it on the device that runs the backward.
+// Scratch the backward needs for its per-CTA (or per-cluster) fp32 partial sums (0 when it needs
+// none). Depends on the current device's multiprocessor count, so query it on the device that runs
+// the backward.
 size_t adaln_bwd_workspace_bytes(const AdalnBwdParams& p);
 
 cudaError_t adaln_bwd(const AdalnBwdParams& p, cudaStream_t stream);
