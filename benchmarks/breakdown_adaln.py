@@ -3,7 +3,7 @@ autograd glue around it, e.g. the gradient of Wan's ``e.chunk(6)``), from the Py
 with ``--graph``, CUDA-graph replays of the parts instead (the profiler's kernel spans overlap once
 kernels launch with programmatic dependent launch).
 
-    python benchmarks/breakdown_adaln.py [--shape 1,32760,1536] [--dtype bf16] [--steps 20] [--graph]
+    python benchmarks/breakdown_adaln.py [--shapes '1,32760,1536;4,1560,1536'] [--dtype bf16] [--steps 20] [--graph]
 """
 
 from __future__ import annotations
@@ -12,10 +12,17 @@ import argparse
 
 import torch
 import triton.testing
+from bench_adaln import _parse_shapes
 from torch.profiler import ProfilerActivity, profile
 
 from lightning_adaptiveload.ops import adaln
 from lightning_adaptiveload.ops.adaln import adaln_bwd, adaln_fwd
+
+
+def chunked_step(x: torch.Tensor, e: torch.Tensor, gy: torch.Tensor):
+    """Forward+backward as in a Wan block: scale and shift are chunks of ``e`` ([B, 6, D])."""
+    ch = e.chunk(6, dim=1)
+    return torch.autograd.grad(adaln(x, ch[1], ch[0], out_dtype=torch.bfloat16), (x, e), gy)
 
 
 def graph_parts(B: int, N: int, D: int, dtype: torch.dtype) -> dict[str, float]:
@@ -30,10 +37,6 @@ def graph_parts(B: int, N: int, D: int, dtype: torch.dtype) -> dict[str, float]:
     with torch.no_grad():
         _, mean, rstd = adaln_fwd(x, views[1], views[0], None, None, 1e-6, torch.bfloat16)
 
-    def chunked():
-        ch = e.chunk(6, dim=1)
-        return torch.autograd.grad(adaln(x, ch[1], ch[0], out_dtype=torch.bfloat16), (x, e), gy)
-
     def leaves():
         return torch.autograd.grad(adaln(x, views[1], views[0], out_dtype=torch.bfloat16), (x, *views), gy)
 
@@ -41,7 +44,7 @@ def graph_parts(B: int, N: int, D: int, dtype: torch.dtype) -> dict[str, float]:
         "forward op": lambda: adaln_fwd(x, views[1], views[0], None, None, 1e-6, torch.bfloat16),
         "backward op": lambda: adaln_bwd(gy, x, views[1], None, None, mean, rstd),
         "fwd+bwd, leaf views": leaves,
-        "fwd+bwd, e.chunk(6)": chunked,
+        "fwd+bwd, e.chunk(6)": lambda: chunked_step(x, e, gy),
     }
     out = {}
     for name, fn in parts.items():
@@ -53,12 +56,12 @@ def graph_parts(B: int, N: int, D: int, dtype: torch.dtype) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", action="append", help="B,N,D (repeatable); default two Wan shapes")
+    parser.add_argument("--shapes", default="1,32760,1536;4,1560,1536", help="shapes 'B,N,D;B,N,D'")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--graph", action="store_true", help="time the parts as CUDA-graph replays")
     args = parser.parse_args()
-    shapes = [tuple(int(v) for v in s.split(",")) for s in (args.shape or ["1,32760,1536", "4,1560,1536"])]
+    shapes = _parse_shapes(args.shapes)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     for B, N, D in shapes:
         if args.graph:
@@ -69,18 +72,12 @@ def main() -> None:
         x = torch.randn(B, N, D, device="cuda", dtype=dtype, requires_grad=True)
         e = (torch.randn(B, 6, D, device="cuda") * 0.1).requires_grad_()
         gy = torch.randn(B, N, D, device="cuda", dtype=torch.bfloat16)
-
-        def step(x=x, e=e, gy=gy):
-            ch = e.chunk(6, dim=1)
-            y = adaln(x, ch[1], ch[0], out_dtype=torch.bfloat16)
-            return torch.autograd.grad(y, (x, e), gy)
-
         for _ in range(3):
-            step()
+            chunked_step(x, e, gy)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(args.steps):
-                step()
+                chunked_step(x, e, gy)
             torch.cuda.synchronize()
         total = 0.0
         print(f"\n{(B, N, D)} {args.dtype}: GPU time per step (us), {args.steps} steps")
