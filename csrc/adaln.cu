@@ -1349,11 +1349,29 @@ cudaError_t stream_plan(Kernel kernel, int64_t B, int64_t N, int threads, int ro
 }
 
 // 16-byte chunks a streamed thread takes (of `chunks` per row): of the two sizes, the one that
-// leaves fewer threads idle in the last warp, the larger on a tie.
-int stream_nv(int64_t chunks, int few, int many) {
+// leaves fewer threads idle in the last warp; on a tie the larger, or the smaller if `prefer_few`.
+int stream_nv(int64_t chunks, int few, int many, bool prefer_few = false) {
   const int64_t idle_few = round_up_warp(ceil_div(chunks, few)) * few - chunks;
   const int64_t idle_many = round_up_warp(ceil_div(chunks, many)) * many - chunks;
-  return idle_many <= idle_few ? many : few;
+  if (idle_few == idle_many) return prefer_few ? few : many;
+  return idle_many < idle_few ? many : few;
+}
+
+// fp32 x at D = 1536: the streamed backward holds 6 CTAs of 2 warps a multiprocessor with 24
+// features a thread (registers and shared memory both), 6 of 3 warps with 16. When the rows make one
+// short wave (at most this many a multiprocessor), the smaller size measured faster on the H200
+// (forward+backward, alternating runs: (2, 1560, 1536) 36.4-36.5 -> 34.7-34.8 us, (4, 1560, 1536)
+// 58.9-59.1 -> 58.7-58.9 us); for 16-bit x it measured slower ((4, 1560, 1536) bf16 42.9-43.1 ->
+// 43.9-46.2 us), so 16-bit x keeps the larger size.
+constexpr int64_t kBwdShortRowsPerSm = 64;
+
+// ADALN_BWD_FEATURES: unset = stream_nv, for fp32 x in a short wave the smaller size on a tie
+// (above); 16 or 24 = always that many features a thread.
+int bwd_stream_nv(const AdalnBwdParams& p, int64_t chunks, int few, int many) {
+  static const int want = knob("ADALN_BWD_FEATURES", 0);
+  if (want == kStreamFewFeatures || want == kStreamManyFeatures) return want == kStreamFewFeatures ? few : many;
+  const bool short_wave = p.B * p.N <= static_cast<int64_t>(multiprocessors()) * kBwdShortRowsPerSm;
+  return stream_nv(chunks, few, many, p.x_dtype == ADALN_F32 && short_wave);
 }
 
 // The wide vector path needs every row start and pointer aligned to one vector.
@@ -1568,7 +1586,9 @@ cudaError_t bwd_values(const AdalnBwdParams& p, cudaStream_t stream, size_t* wor
   const int64_t chunks = p.D / V;
   if (!p.per_token && chunks >= kStreamMinChunks) {
     constexpr int kFew = kStreamFewFeatures / V, kMany = kStreamManyFeatures / V;
-    if (stream_nv(chunks, kFew, kMany) == kMany) return bwd_stream<TX, TM, TD, V, kMany>(p, stream, workspace_bytes);
+    if (bwd_stream_nv(p, chunks, kFew, kMany) == kMany) {
+      return bwd_stream<TX, TM, TD, V, kMany>(p, stream, workspace_bytes);
+    }
     return bwd_stream<TX, TM, TD, V, kFew>(p, stream, workspace_bytes);
   }
   if (p.D <= kBwdSmallValues * kBwdSmallThreads) {
