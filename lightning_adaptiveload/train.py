@@ -16,7 +16,7 @@ import hydra
 import lightning.pytorch as pl
 from hydra.utils import instantiate
 from lightning.pytorch.utilities import rank_zero_info
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lightning_adaptiveload.callbacks.shape_benchmark import ShapeBenchmarkCallback
 from lightning_adaptiveload.reporting import print_bucket_plan
@@ -52,6 +52,55 @@ def _instantiate_callbacks(cfg: DictConfig | None) -> list[pl.Callback]:
     return callbacks
 
 
+class MissingSettingError(ValueError):
+    """A required config value (``???`` in ``conf/``) was not given."""
+
+
+# What a required value is and an example of it, for the error message.
+_REQUIRED_HINTS = {
+    "data.dataset.path": ("a JSONL / CSV / Parquet manifest", "/data/train.jsonl"),
+    "bucketing.policy.cost_model_path": (
+        "a CostModel JSON, or the shape benchmark's calibration JSON",
+        "outputs/.../shape_benchmark.json",
+    ),
+}
+
+
+def _missing_keys(node: DictConfig | ListConfig, prefix: str = "") -> list[str]:
+    """Dotted keys whose value is ``???``, without resolving interpolations and without Hydra's own
+    ``hydra`` node (present when the config was composed with ``return_hydra_config``)."""
+    keys = (
+        range(len(node))
+        if isinstance(node, ListConfig)
+        else [k for k in node.keys() if prefix or k != "hydra"]
+    )
+    found = []
+    for key in keys:
+        name = f"{prefix}[{key}]" if isinstance(node, ListConfig) else f"{prefix}{'.' if prefix else ''}{key}"
+        if OmegaConf.is_missing(node, key):
+            found.append(name)
+        elif not OmegaConf.is_interpolation(node, key) and isinstance(node[key], (DictConfig, ListConfig)):
+            found += _missing_keys(node[key], name)
+    return found
+
+
+def check_required(cfg: DictConfig) -> None:
+    """Raise ``MissingSettingError`` naming every required value left unset, with the override to add.
+
+    Checked before anything is built, so ``data=manifest`` without a path fails in one line instead
+    of deep inside instantiation.
+    """
+    missing = sorted(_missing_keys(cfg))
+    if not missing:
+        return
+    named = [f"{key} ({_REQUIRED_HINTS[key][0]})" if key in _REQUIRED_HINTS else key for key in missing]
+    example = " ".join(f"{key}={_REQUIRED_HINTS.get(key, ('', '...'))[1]}" for key in missing)
+    raise MissingSettingError(
+        f"required setting{'s' if len(missing) > 1 else ''} not given: {', '.join(named)}. "
+        f"Add {'them' if len(missing) > 1 else 'it'} to the command line, e.g. `adaptiveload-train ... {example}`."
+    )
+
+
 @dataclass
 class Run:
     """Everything ``train`` builds from a config, before fitting."""
@@ -63,6 +112,7 @@ class Run:
 
 def build(cfg: DictConfig) -> Run:
     """Instantiate model, data, bucketing policy, callbacks, logger, strategy and Trainer."""
+    check_required(cfg)
     if cfg.get("seed") is not None:
         pl.seed_everything(cfg.seed, workers=True)
 
@@ -81,7 +131,9 @@ def build(cfg: DictConfig) -> Run:
         # The chosen policy is the point of the run (e.g. the equal-token baseline): keep it.
         kept = [cb for cb in callbacks if not isinstance(cb, ShapeBenchmarkCallback)]
         if len(kept) < len(callbacks):
-            rank_zero_info("bucketing.fit_from_benchmark=false: ShapeBenchmarkCallback is off; the configured policy is kept.")
+            rank_zero_info(
+                "bucketing.fit_from_benchmark=false: ShapeBenchmarkCallback is off; the configured policy is kept."
+            )
         callbacks = kept
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     strategy = instantiate(cfg.strategy)
@@ -110,6 +162,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
 def main(cfg: DictConfig) -> None:
     """Console script ``adaptiveload-train``."""
     OmegaConf.resolve(cfg)
+    try:
+        check_required(cfg)
+    except MissingSettingError as err:
+        raise SystemExit(f"adaptiveload-train: {err}") from None  # one line, no traceback
     train(cfg)
 
 

@@ -13,14 +13,14 @@ import pytest
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
-from omegaconf import open_dict
+from omegaconf import OmegaConf, open_dict
 
 import lightning_adaptiveload
 from lightning_adaptiveload.bucketing.policy import EqualTokenPolicy
 from lightning_adaptiveload.callbacks.shape_benchmark import ShapeBenchmarkCallback
 from lightning_adaptiveload.costmodel import CostModel
 from lightning_adaptiveload.factories import cost_model_policy
-from lightning_adaptiveload.train import build, train
+from lightning_adaptiveload.train import MissingSettingError, _missing_keys, build, train
 
 CONF_DIR = Path(lightning_adaptiveload.__file__).parent.parent / "conf"
 GROUPS = ["model", "data", "bucketing", "strategy", "trainer", "callbacks", "logger", "experiment"]
@@ -131,7 +131,9 @@ def test_experiments_run_on_cpu_with_a_tiny_model(tmp_path):
     assert "train/loss" in metrics
 
 
-@pytest.mark.parametrize(("bucketing", "fitted"), [("dual_constraint", True), ("equal_token", False), ("cost_model", False)])
+@pytest.mark.parametrize(
+    ("bucketing", "fitted"), [("dual_constraint", True), ("equal_token", False), ("cost_model", False)]
+)
 def test_only_the_dual_constraint_choice_is_refitted_by_the_shape_benchmark(bucketing, fitted, tmp_path):
     overrides = [f"bucketing={bucketing}"]
     if bucketing == "cost_model":
@@ -162,6 +164,43 @@ def test_bad_override_gives_hydra_error():
     with initialize_config_module(config_module="lightning_adaptiveload.conf", version_base="1.3"):
         with pytest.raises(Exception, match="model"):
             compose(config_name="train", overrides=["model=does_not_exist"])
+
+
+def test_missing_required_settings_are_named_before_anything_is_built(tmp_path):
+    cfg = _compose(["data=manifest", "bucketing=cost_model"], tmp_path)
+    with pytest.raises(MissingSettingError) as err:
+        build(cfg)
+    message = str(err.value)
+    # Every missing key, what it is, and the override that supplies it.
+    assert "data.dataset.path (a JSONL / CSV / Parquet manifest)" in message
+    assert "bucketing.policy.cost_model_path (" in message
+    assert "data.dataset.path=/data/train.jsonl" in message
+    # Given, the check passes and the next problem is the (missing) file itself.
+    cfg = _compose(["data=manifest", f"data.dataset.path={tmp_path / 'nope.jsonl'}"], tmp_path)
+    with pytest.raises(Exception) as err:
+        build(cfg)
+    assert not isinstance(err.value, MissingSettingError)
+
+
+def test_missing_keys_walk_lists_and_skip_hydra_and_interpolations():
+    cfg = OmegaConf.create(
+        {"a": "???", "b": {"c": [1, "???", {"d": "???"}], "e": "${a}"}, "hydra": {"job": {"num": "???"}}}
+    )
+    assert _missing_keys(cfg) == ["a", "b.c[1]", "b.c[2].d"]
+
+
+def test_console_script_reports_a_missing_setting_in_one_line(tmp_path):
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_adaptiveload.train",
+        "data=manifest",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().startswith("adaptiveload-train: required setting not given: data.dataset.path")
 
 
 def test_console_script_runs(tmp_path):
