@@ -163,10 +163,9 @@ def main(cfg: DictConfig) -> None:
     """Console script ``adaptiveload-train``."""
     OmegaConf.resolve(cfg)
     try:
-        check_required(cfg)
+        train(cfg)  # build() checks the required settings before anything else
     except MissingSettingError as err:
         raise SystemExit(f"adaptiveload-train: {err}") from None  # one line, no traceback
-    train(cfg)
 
 
 if __name__ == "__main__":
