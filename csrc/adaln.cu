@@ -423,7 +423,7 @@ constexpr int kStreamManyFeatures = 24;
 // their caps are lower; fp32 rows take twice the chunks, so more address registers.
 constexpr int stream_regs(bool backward, int nv, int vec) {
   return backward ? (vec == 8 ? (nv == 3 ? 136 : 96) : (nv == 6 ? 168 : 112))
-                  : (vec == 8 ? (nv == 3 ? 112 : 88) : (nv == 6 ? 128 : 120));
+                  : (vec == 8 ? (nv == 3 ? 112 : 88) : (nv == 6 ? 128 : 96));
 }
 
 // Rows per barrier (the forward has two reductions a row, the backward one) and the ring's depth.
@@ -1357,21 +1357,24 @@ int stream_nv(int64_t chunks, int few, int many, bool prefer_few = false) {
   return idle_many < idle_few ? many : few;
 }
 
-// fp32 x at D = 1536: the streamed backward holds 6 CTAs of 2 warps a multiprocessor with 24
-// features a thread (registers and shared memory both), 6 of 3 warps with 16. When the rows make one
-// short wave (at most this many a multiprocessor), the smaller size measured faster on the H200
-// (forward+backward, alternating runs: (2, 1560, 1536) 36.4-36.5 -> 34.7-34.8 us, (4, 1560, 1536)
-// 58.9-59.1 -> 58.7-58.9 us); for 16-bit x it measured slower ((4, 1560, 1536) bf16 42.9-43.1 ->
-// 43.9-46.2 us), so 16-bit x keeps the larger size.
-constexpr int64_t kBwdShortRowsPerSm = 64;
+// fp32 x at D = 1536 in one short wave of rows (at most this many a multiprocessor) takes 16
+// features a thread where 24 would cover the row as exactly. Measured on the H200, alternating runs:
+// - backward: 24 features hold 6 CTAs of 2 warps a multiprocessor (registers and shared memory
+//   both), 16 features 6 of 3 warps: forward+backward (2, 1560, 1536) 36.4-36.5 -> 34.7-34.8 us,
+//   (4, 1560, 1536) 58.9-59.1 -> 58.7-58.9 us; for 16-bit x slower ((4, 1560, 1536) bf16
+//   42.9-43.1 -> 43.9-46.2 us), so 16-bit x keeps 24;
+// - forward (16 features under a 96-register cap: 7 CTAs of 3 warps instead of 8 of 2):
+//   (4, 1560, 1536) forward 75.9-76.8% -> 77.0-77.3% of copy bandwidth, forward+backward
+//   61.7-61.8% -> 62.8%; the long shapes within 0.6 points.
+constexpr int64_t kShortWaveRowsPerSm = 64;
 
-// ADALN_BWD_FEATURES: unset = stream_nv, for fp32 x in a short wave the smaller size on a tie
-// (above); 16 or 24 = always that many features a thread.
-int bwd_stream_nv(const AdalnBwdParams& p, int64_t chunks, int few, int many) {
-  static const int want = knob("ADALN_BWD_FEATURES", 0);
-  if (want == kStreamFewFeatures || want == kStreamManyFeatures) return want == kStreamFewFeatures ? few : many;
-  const bool short_wave = p.B * p.N <= static_cast<int64_t>(multiprocessors()) * kBwdShortRowsPerSm;
-  return stream_nv(chunks, few, many, p.x_dtype == ADALN_F32 && short_wave);
+// 16-byte chunks a streamed thread takes: `setting` (ADALN_FWD_FEATURES, ADALN_BWD_FEATURES) 16 or 24
+// forces that many features; otherwise stream_nv, on a tie the smaller size for fp32 x in a short
+// wave (above).
+int stream_features(int setting, AdalnDtype x_dtype, int64_t rows, int64_t chunks, int few, int many) {
+  if (setting == kStreamFewFeatures || setting == kStreamManyFeatures) return setting == kStreamFewFeatures ? few : many;
+  const bool short_wave = rows <= static_cast<int64_t>(multiprocessors()) * kShortWaveRowsPerSm;
+  return stream_nv(chunks, few, many, x_dtype == ADALN_F32 && short_wave);
 }
 
 // The wide vector path needs every row start and pointer aligned to one vector.
@@ -1459,7 +1462,10 @@ cudaError_t fwd_vec(const AdalnFwdParams& p, cudaStream_t stream) {
     const int64_t chunks = p.D / V;
     if (p.scale_sn == 0 && p.shift_sn == 0 && chunks >= kStreamMinChunks) {
       constexpr int kFew = kStreamFewFeatures / V, kMany = kStreamManyFeatures / V;
-      if (stream_nv(chunks, kFew, kMany) == kMany) return fwd_stream<TX, TM, TO, V, kMany>(p, stream);
+      static const int setting = knob("ADALN_FWD_FEATURES", 0);
+      if (stream_features(setting, p.x_dtype, p.B * p.N, chunks, kFew, kMany) == kMany) {
+        return fwd_stream<TX, TM, TO, V, kMany>(p, stream);
+      }
       return fwd_stream<TX, TM, TO, V, kFew>(p, stream);
     }
   }
@@ -1586,7 +1592,8 @@ cudaError_t bwd_values(const AdalnBwdParams& p, cudaStream_t stream, size_t* wor
   const int64_t chunks = p.D / V;
   if (!p.per_token && chunks >= kStreamMinChunks) {
     constexpr int kFew = kStreamFewFeatures / V, kMany = kStreamManyFeatures / V;
-    if (bwd_stream_nv(p, chunks, kFew, kMany) == kMany) {
+    static const int setting = knob("ADALN_BWD_FEATURES", 0);
+    if (stream_features(setting, p.x_dtype, p.B * p.N, chunks, kFew, kMany) == kMany) {
       return bwd_stream<TX, TM, TD, V, kMany>(p, stream, workspace_bytes);
     }
     return bwd_stream<TX, TM, TD, V, kFew>(p, stream, workspace_bytes);
