@@ -8,7 +8,7 @@ counted too, they are small). Times are medians of CUDA-graph replays (GPU time)
 columns launch normally and include each provider's Python/dispatch overhead. Activation memory is
 what the forward keeps alive for backward beyond its inputs and output.
 
-Back-to-back replays on the same tensors leave them in L2 (60 MB on the H200), so at shapes whose
+Back-to-back replays on the same tensors leave them in L2 (60 MiB on the H200), so at shapes whose
 working set fits it ((4, 1560, 1536) bf16: 38 MB forward) the plain ("warm") replays run partly
 from L2 and can beat copy bandwidth. The "cold" columns (``--l2 cold`` or ``both``, the default)
 replay calls that take turns over enough copies of the inputs that every call finds its x, dy and

@@ -29,7 +29,7 @@ def adaln() -> str:
     out = [
         f"{meta['device']}, torch {meta['torch']}, copy bandwidth {meta['copy_bandwidth_gbps']:,.0f} GB/s "
         "(measured in the same run). Times in ms (CUDA-graph replay); % = fraction of copy bandwidth; "
-        f"cold = every call's inputs evicted from L2 ({meta.get('l2_cache_mb', 0):.0f} MB) first.",
+        f"cold = every call's inputs evicted from L2 ({meta.get('l2_cache_mb', 0):.0f} MiB) first.",
         "",
         "| shape (B, N, D) | x | provider | fwd ms | fwd % | fwd+bwd ms | fwd+bwd % | fwd % cold | fwd+bwd % cold "
         "| activations kept (MB) |",
