@@ -169,7 +169,9 @@ def main() -> None:
     bw = copy_bandwidth()
     rows = []
     shapes = {"all": SHAPES, "quick": SHAPES[:1]}.get(args.shapes) or _parse_shapes(args.shapes)
-    print(f"copy bandwidth: {bw / 1e9:.0f} GB/s on {torch.cuda.get_device_name()}")
+    print(f"copy bandwidth: {bw / 1e9:.0f} GB/s on {torch.cuda.get_device_name()}, L2 {_l2_bytes() / 2**20:.0f} MiB")
+    if args.l2 != "warm" and _l2_bytes() == 0:
+        print("the device reports no L2 size: the cold columns take no turns and equal the warm ones")
     for B, N, D in shapes:
         for dname, dtype in DTYPES.items():
             elems = B * N * D
