@@ -206,7 +206,7 @@ def main() -> None:
                 )  # fmt: skip
                 torch.cuda.empty_cache()
                 print(_fmt(rows[-1]), flush=True)
-                _write(args.out, bw, rows)  # after every row, so a cut-short run keeps what it measured
+                _write(args.out, bw, rows, args.l2)  # after every row, so a cut-short run keeps what it measured
     print(HEADER)
     for r in rows:
         print(_fmt(r))
@@ -216,10 +216,10 @@ def _l2_bytes() -> int:
     return int(getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0))
 
 
-def _write(out: str, bw: float, rows: list[dict]) -> None:
+def _write(out: str, bw: float, rows: list[dict], l2: str) -> None:
     meta = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_gbps": bw / 1e9,
-        "l2_cache_mb": _l2_bytes() / 2**20,
+        "l2_cache_mb": _l2_bytes() / 2**20, "l2": l2,
     }  # fmt: skip
     with open(out + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -35,16 +35,22 @@ def adaln() -> str:
         "| activations kept (MB) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    keys = ("fwd_ms", "fwd_bwd_ms", "fwd_frac_copy_bw", "fwd_bwd_frac_copy_bw", "activation_mb")
+    # "-": not measured (result files from before the cold columns, or a run with --l2 warm / cold);
+    # "failed": measured and failed.
+    modes = meta.get("l2", "both" if "fwd_frac_copy_bw_cold" in (rows[0] if rows else {}) else "warm")
+    warm, cold = modes != "cold", modes != "warm"
+
+    def cell(r: dict, key: str, fmt, measured: bool) -> str:
+        return fmt(float(r[key])) if measured and r.get(key) else "-"
+
     for r in rows:
-        f = {k: float(r[k]) for k in keys}
-        # Result files from before the cold measurement have no such columns.
-        cold = [float(r.get(k) or "nan") for k in ("fwd_frac_copy_bw_cold", "fwd_bwd_frac_copy_bw_cold")]
-        act = "-" if math.isnan(f["activation_mb"]) else f"{f['activation_mb']:.1f}"
+        act = float(r["activation_mb"])
         out.append(
-            f"| ({r['B']}, {r['N']}, {r['D']}) | {r['x_dtype']} | {r['provider']} | {_ms(f['fwd_ms'])} | "
-            f"{_pct(f['fwd_frac_copy_bw'])} | {_ms(f['fwd_bwd_ms'])} | {_pct(f['fwd_bwd_frac_copy_bw'])} | "
-            f"{_pct(cold[0])} | {_pct(cold[1])} | {act} |"
+            f"| ({r['B']}, {r['N']}, {r['D']}) | {r['x_dtype']} | {r['provider']} | "
+            f"{cell(r, 'fwd_ms', _ms, warm)} | {cell(r, 'fwd_frac_copy_bw', _pct, warm)} | "
+            f"{cell(r, 'fwd_bwd_ms', _ms, warm)} | {cell(r, 'fwd_bwd_frac_copy_bw', _pct, warm)} | "
+            f"{cell(r, 'fwd_frac_copy_bw_cold', _pct, cold)} | {cell(r, 'fwd_bwd_frac_copy_bw_cold', _pct, cold)} | "
+            f"{'-' if math.isnan(act) else f'{act:.1f}'} |"
         )
     return "\n".join(out)
 
