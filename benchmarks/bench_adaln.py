@@ -162,7 +162,8 @@ def main() -> None:
     parser.add_argument("--providers", default="all", help="'all' or a comma-separated subset, e.g. 'ours'")
     parser.add_argument(
         "--l2", choices=("both", "warm", "cold"), default="both",
-        help="warm: back-to-back replays (tensors may stay in L2); cold: L2 overwritten before each call; both",
+        help="warm: back-to-back replays on the same tensors (they may stay in L2); cold: calls take turns "
+        "over copies of the inputs, so each finds them evicted; both (default)",
     )  # fmt: skip
     args = parser.parse_args()
     torch._dynamo.config.cache_size_limit = 64
@@ -184,7 +185,9 @@ def main() -> None:
                     continue
                 error = ""
                 try:
-                    t = bench_one(fn, B, N, D, dtype, args.l2 != "warm", args.l2 != "cold", _l2_bytes())
+                    t = bench_one(
+                        fn, B, N, D, dtype, cold=args.l2 != "warm", warm=args.l2 != "cold", l2_bytes=_l2_bytes()
+                    )
                 except Exception as err:  # a peer failing on a shape is a result, not a crash
                     error = f"{type(err).__name__}: {str(err)[:200]}"
                     print(f"{name} failed at {(B, N, D)} {dname}: {error}")
