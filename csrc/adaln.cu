@@ -8,9 +8,11 @@
 // row-packing kernels (per-token modulation, narrow or unaligned rows) spread each row over one or
 // more warps and keep it in registers, with 16-byte loads where the rows are aligned.
 //
-// Forward: mean and centred variance are exact two-pass fp32 sums (warp shuffles, then one
-// shared-memory step across warps); the modulation is applied as y is written. Only mean and rstd
-// (fp32) are kept.
+// Forward: fp32 statistics (warp shuffles, then one shared-memory step across warps). The
+// row-packing kernels take exact two-pass sums; the streamed kernels sum each staged row once,
+// shifted by the previous row's mean in the same CTA slot, and pass again where that shift would
+// cost more than 4 bits of the variance. The modulation is applied as y is written. Only mean and
+// rstd (fp32) are kept.
 //
 // Backward: threads fixed on features walk down their strip, so the column sums accumulate in
 // registers and warps read consecutive features (coalesced); dx is finished in the same pass. Each
@@ -420,13 +422,14 @@ constexpr int kStreamFewFeatures = 16;
 constexpr int kStreamManyFeatures = 24;
 // Register caps (ptxas -v shows no spills at these): the compiler would otherwise take up to 168
 // and halve the CTAs a multiprocessor holds. Few features go with wide rows (many threads), so
-// their caps are lower; fp32 rows take twice the chunks, so more address registers.
+// their caps are lower; fp32 rows take twice the chunks, so more address registers. The 16-bit
+// forward's 128 / 96 keep the CTAs a multiprocessor holds at D = 1536 (8 of 2 warps, 7 of 3).
 constexpr int stream_regs(bool backward, int nv, int vec) {
   return backward ? (vec == 8 ? (nv == 3 ? 136 : 96) : (nv == 6 ? 168 : 112))
-                  : (vec == 8 ? (nv == 3 ? 112 : 88) : (nv == 6 ? 128 : 96));
+                  : (vec == 8 ? (nv == 3 ? 128 : 96) : (nv == 6 ? 128 : 96));
 }
 
-// Rows per barrier (the forward has two reductions a row, the backward one) and the ring's depth.
+// Rows per barrier (each direction has one cross-warp reduction a row group) and the ring's depth.
 constexpr int kStreamFwdRows = 4;
 constexpr int kStreamBwdRows = 2;
 // fp32 rows are twice as wide, so 4-row groups halve the CTAs whose ring fits a multiprocessor's
@@ -581,15 +584,16 @@ __device__ __forceinline__ Strip strip_of(int64_t N, const StreamGrid& g) {
 }
 
 // Forward. Thread t covers features (i * T + t) * VEC + [0, VEC) for i < NV. Per row group: one
-// barrier for the R means, one for the R centred variances (exact two-pass, from registers).
+// barrier for the R rows' shifted sums (two or three where a shift was poor), then the output.
 template <typename TX, typename TM, typename TO, int VEC, int NV, bool FULL>
 __global__ void __maxnreg__(stream_regs(false, NV, VEC)) adaln_fwd_stream_kernel(const AdalnFwdParams p, const StreamGrid g) {
   constexpr int R = fwd_stream_rows<TX>();
   constexpr int PX = static_cast<int>(sizeof(TX)) * VEC;
   extern __shared__ __align__(16) unsigned char ring[];
-  // Cross-warp slots, one set for each of the two barriers of a row group.
-  __shared__ __align__(16) Slots<R> slots[2];
-  clear_slots<2 * R * kStreamMaxWarps>(&slots[0][0][0]);
+  // Cross-warp slots for the one-pass sums, used by turns: a cta_sums call never writes the slots
+  // that the previous call's slower threads may still be reading.
+  __shared__ __align__(16) Slots<2 * R> slots[2];
+  clear_slots<2 * 2 * R * kStreamMaxWarps>(&slots[0][0][0]);
   wait_for_previous_grid();
   const int tid = threadIdx.x;
   const int T = blockDim.x;
@@ -654,48 +658,73 @@ __global__ void __maxnreg__(stream_regs(false, NV, VEC)) adaln_fwd_stream_kernel
 
   const float inv_d = 1.f / static_cast<float>(D);
   TO* yb = static_cast<TO*>(p.y) + st.b * p.N * p.D;
+  // The pivot of each row slot's one-pass statistics: the mean of that slot's row in the previous
+  // row group (0 for the first), known to every thread without a barrier.
+  float pivot[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) pivot[r] = 0.f;
+  int use = 0;  // the slots of the next cta_sums (consecutive calls alternate)
   for (int j = 0, at = 0; j < st.iters; ++j, at = at + 1 == g.groups ? 0 : at + 1) {
     cp_async_wait(g.groups - 1);
     const int slot = at * R;
     auto staged = [&](int r, int i) {
       return load_pack<TX, VEC>(reinterpret_cast<const TX*>(ring + (slot + r) * g.row_bytes + (i * T + tid) * PX));
     };
-    // Two passes over the staged rows (sums, then centred squares: exact two-pass variance), then
-    // the output. add(v, acc) folds one value of row r into this thread's partial; two
-    // accumulators a row (even and odd features) halve the dependent-add chains.
-    auto row_total = [&](int r, auto add) {
-      float s0 = 0.f, s1 = 0.f;
+    // Statistics in one pass over the staged rows, shifted by K = pivot[r]: S1 = sum (x - K) and
+    // S2 = sum (x - K)^2, added over the CTA as plain sums under one barrier; mean = K + S1 / D
+    // and var = (S2 - S1^2 / D) / D. That difference cancels log2(1 + (mean - K)^2 / var) bits,
+    // and K + S1 / D keeps the mean only to about 2^-24 |mean - K|. Where the difference would
+    // cancel more than 4 bits (S1^2 / D > 15/16 S2; the same decision on every thread, which all
+    // hold the same sums), the group passes over its rows again shifted by the mean just found,
+    // which is then within ~2^-22 |mean - K| of the true one; a third pass is left for rows whose
+    // mean sits 10^7 standard deviations or more from the previous row's. One accumulator a sum:
+    // the R rows' chains interleave (two a sum spilled under the register caps).
+    float sum[R], sq[R];  // mean and variance of each row
+    for (int pass = 0;; ++pass) {
+      float sums[2 * R];
 #pragma unroll
-      for (int i = 0; i < NV; ++i) {
-        if (FULL || (i * T + tid) * VEC < D) {
-          float v[VEC];
-          unpack<TX, VEC>(staged(r, i), v);
+      for (int r = 0; r < R; ++r) {
+        const float k0 = pivot[r];
+        float a = 0.f, q = 0.f;
 #pragma unroll
-          for (int k = 0; k < VEC; k += 2) {
-            s0 = add(v[k], s0);
-            s1 = add(v[k + 1], s1);
+        for (int i = 0; i < NV; ++i) {
+          if (FULL || (i * T + tid) * VEC < D) {
+            float v[VEC];
+            unpack<TX, VEC>(staged(r, i), v);
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) {
+              const float d = v[k] - k0;
+              a += d;
+              q = fmaf(d, d, q);
+            }
           }
         }
+        sums[2 * r] = a;
+        sums[2 * r + 1] = q;
       }
-      return s0 + s1;
-    };
-    float sum[R], sq[R];
+      cta_sums<2 * R>(sums, slots[use]);
+      use ^= 1;
+      bool settled = true;
 #pragma unroll
-    for (int r = 0; r < R; ++r) sum[r] = row_total(r, [](float v, float acc) { return acc + v; });
-    cta_sums<R>(sum, slots[0]);
+      for (int r = 0; r < R; ++r) {
+        const float m = sums[2 * r] * inv_d;
+        sum[r] = pivot[r] + m;
+        sq[r] = fmaxf(sums[2 * r + 1] * inv_d - m * m, 0.f);
+        if (st.row(j, r) < st.limit && sums[2 * r] * m > 0.9375f * sums[2 * r + 1]) settled = false;
+      }
+      // The rows past the strip's end keep their pivot: their staged bytes are stale.
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const float mean = sum[r] * inv_d;
-      sum[r] = mean;
-      sq[r] = row_total(r, [mean](float v, float acc) { return fmaf(v - mean, v - mean, acc); });
+      for (int r = 0; r < R; ++r) {
+        if (st.row(j, r) < st.limit) pivot[r] = sum[r];
+      }
+      if (settled || pass == 2) break;
     }
-    cta_sums<R>(sq, slots[1]);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const int64_t n = st.row(j, r);
       if (n >= st.limit) break;
       const float mean = sum[r];
-      const float rstd = rsqrtf(sq[r] * inv_d + p.eps);
+      const float rstd = rsqrtf(sq[r] + p.eps);
       const float shifted = -mean * rstd;
       if (tid == 0) {
         p.mean[st.b * p.N + n] = mean;

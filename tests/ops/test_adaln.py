@@ -322,6 +322,40 @@ def test_fused_statistics_of_offset_rows_and_outlier_features(dtype, D):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [1536, 1000])
+def test_fused_statistics_when_row_means_jump(dtype, D):
+    # The streamed forward sums each row shifted by the previous row's mean in the same CTA slot and
+    # passes over the rows again, shifted by the mean just found, where that shift was a poor guess.
+    # Row means that jump by 0-5 standard deviations (one pass) and by 10^4 (one pass there would
+    # lose every bit of the variance) from one row to the next, in runs long enough to span row
+    # groups and strips, and constant rows: every row's mean and rstd must keep fp32 accuracy, row
+    # by row (fp32 x at D = 1000 takes the row-packing kernel's two-pass sums instead).
+    g = torch.Generator(device="cuda").manual_seed(1)
+    B, N = 2, 3001
+    levels = torch.tensor([0.0, 1.0, 2.5, 5.0, 1e4, -1e4], device="cuda", dtype=torch.float64)
+    pick = torch.randint(0, len(levels), (B, (N + 4) // 5), device="cuda", generator=g)
+    means = levels[pick].repeat_interleave(5, dim=1)[:, :N]  # runs of 5 rows at one level
+    spread = torch.rand(B, N, 1, device="cuda", generator=g, dtype=torch.float64) * 3 + 0.5
+    x64 = means[..., None] + spread * torch.randn(B, N, D, device="cuda", generator=g, dtype=torch.float64)
+    x64[:, 100:105] = 3.25  # constant rows: variance 0 wherever the pivot was
+    x = x64.to(dtype)
+    s, h = (torch.randn(B, 1, D, device="cuda", generator=g) * 0.5 for _ in range(2))
+    y, mean, rstd = ops.adaln_fwd(x, s, h, None, None, 1e-6, torch.float32)
+    x64 = x.double()
+    mean64 = x64.mean(-1).flatten()
+    rstd64 = (x64.var(-1, unbiased=False) + 1e-6).rsqrt().flatten()
+    # Row by row: the mean to fp32 rounding of the largest |x| in the row, rstd to a few fp32 ulps.
+    scale = x64.abs().amax(-1).flatten()
+    assert ((mean.double() - mean64).abs() / scale).max().item() < 1e-6
+    assert ((rstd.double() - rstd64).abs() / rstd64).max().item() < 1e-5
+    # y from those statistics (x - mean of a row far from zero loses digits in fp32
+    # whatever the kernel, so the output step is checked on the kernel's own mean and rstd).
+    y_ref = (x64 - mean.double().view(B, N, 1)) * rstd.double().view(B, N, 1) * (1 + s.double()) + h.double()
+    assert _rel(y, y_ref) < 1e-6
+
+
+@pytest.mark.cuda
 def test_fused_backward_launches_no_zero_fills():
     # mean/rstd are outputs without gradients: autograd must not materialise zeros for them.
     from torch.profiler import ProfilerActivity, profile
