@@ -322,17 +322,17 @@ def test_fused_statistics_of_offset_rows_and_outlier_features(dtype, D):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("D", [1536, 1000])
-def test_fused_statistics_when_row_means_jump(dtype, D):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("B", "N", "D"), [(2, 3001, 1536), (2, 3001, 1000), (2, 601, 5120), (1, 20001, 1536)])
+def test_fused_statistics_when_row_means_jump(dtype, B, N, D):
     # The streamed forward sums each row shifted by the previous row's mean in the same CTA slot and
     # passes over the rows again, shifted by the mean just found, where that shift was a poor guess.
     # Row means that jump by 0-5 standard deviations (one pass) and by 10^4 (one pass there would
     # lose every bit of the variance) from one row to the next, in runs long enough to span row
     # groups and strips, and constant rows: every row's mean and rstd must keep fp32 accuracy, row
-    # by row (fp32 x at D = 1000 takes the row-packing kernel's two-pass sums instead).
+    # by row (fp32 x at D = 1000 and 5120 takes the row-packing kernel's two-pass sums instead; the
+    # 16-bit forward deals 20001 rows out in row groups in turn, so a pivot comes from rows apart).
     g = torch.Generator(device="cuda").manual_seed(1)
-    B, N = 2, 3001
     levels = torch.tensor([0.0, 1.0, 2.5, 5.0, 1e4, -1e4], device="cuda", dtype=torch.float64)
     pick = torch.randint(0, len(levels), (B, (N + 4) // 5), device="cuda", generator=g)
     means = levels[pick].repeat_interleave(5, dim=1)[:, :N]  # runs of 5 rows at one level
