@@ -349,8 +349,8 @@ def test_fused_statistics_when_row_means_jump(dtype, B, N, D):
     scale = x64.abs().amax(-1).flatten()
     assert ((mean.double() - mean64).abs() / scale).max().item() < 1e-6
     assert ((rstd.double() - rstd64).abs() / rstd64).max().item() < 1e-5
-    # y from those statistics (x - mean of a row far from zero loses digits in fp32
-    # whatever the kernel, so the output step is checked on the kernel's own mean and rstd).
+    # y from those statistics: x - mean of a row far from zero loses digits in fp32 whatever the
+    # kernel, so the output step is checked on the kernel's own mean and rstd.
     y_ref = (x64 - mean.double().view(B, N, 1)) * rstd.double().view(B, N, 1) * (1 + s.double()) + h.double()
     assert _rel(y, y_ref) < 1e-6
 
