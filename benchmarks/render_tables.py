@@ -23,6 +23,10 @@ def _ms(v: float) -> str:
     return "failed" if math.isnan(v) else f"{v:.3f}"
 
 
+# bench_adaln.py's reference row is not a peer: say so where it appears.
+PROVIDER_LABELS = {"same_bytes": "same bytes, no math (reference)"}
+
+
 def adaln() -> str:
     meta = json.loads((RESULTS / "adaln_h200.json").read_text())["meta"]
     rows = list(csv.DictReader((RESULTS / "adaln_h200.csv").open()))
@@ -45,8 +49,9 @@ def adaln() -> str:
 
     for r in rows:
         act = float(r["activation_mb"])
+        provider = PROVIDER_LABELS.get(r["provider"], r["provider"])
         out.append(
-            f"| ({r['B']}, {r['N']}, {r['D']}) | {r['x_dtype']} | {r['provider']} | "
+            f"| ({r['B']}, {r['N']}, {r['D']}) | {r['x_dtype']} | {provider} | "
             f"{cell(r, 'fwd_ms', _ms, warm)} | {cell(r, 'fwd_frac_copy_bw', _pct, warm)} | "
             f"{cell(r, 'fwd_bwd_ms', _ms, warm)} | {cell(r, 'fwd_bwd_frac_copy_bw', _pct, warm)} | "
             f"{cell(r, 'fwd_frac_copy_bw_cold', _pct, cold)} | {cell(r, 'fwd_bwd_frac_copy_bw_cold', _pct, cold)} | "

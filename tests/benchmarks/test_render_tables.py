@@ -69,3 +69,10 @@ def test_a_mode_left_out_shows_dashes_not_failed(render):
     assert render([warm_only], l2="warm")[0].endswith("| 51.2% | - | - | 0.1 |")
     cold_only = _row("ours", fwd_ms=nan, fwd_bwd_ms=nan, fwd_frac_copy_bw=nan, fwd_bwd_frac_copy_bw=nan)
     assert render([cold_only], l2="cold")[0] == "| (4, 1560, 1536) | bf16 | ours | - | - | - | - | 70.0% | 48.5% | 0.1 |"
+
+
+def test_same_bytes_reference_is_labelled_as_a_reference(render):
+    lines = render([_row("ours"), _row("same_bytes", activation_mb=0.0)], l2="both", l2_cache_mb=60.0)
+    assert lines[0].split(" | ")[2] == "ours"
+    assert lines[1].split(" | ")[2] == "same bytes, no math (reference)"
+    assert lines[1].endswith("| 0.0 |")
