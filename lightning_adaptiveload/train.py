@@ -68,7 +68,10 @@ _REQUIRED_HINTS = {
 
 def _missing_keys(node: DictConfig | ListConfig, prefix: str = "") -> list[str]:
     """Dotted keys whose value is ``???``, without resolving interpolations and without Hydra's own
-    ``hydra`` node (present when the config was composed with ``return_hydra_config``)."""
+    ``hydra`` node (present when the config was composed with ``return_hydra_config``).
+
+    Not ``OmegaConf.missing_keys``: it resolves every interpolation on the way and raises on one
+    that points at a missing value (``e: ${a}`` with ``a: ???``) instead of naming ``a``."""
     keys = (
         range(len(node))
         if isinstance(node, ListConfig)
