@@ -524,19 +524,58 @@ __device__ __forceinline__ void clear_slots(float* slots) {
   __syncthreads();
 }
 
+// Lane that holds value r after reduce_scatter<R> (and the value lane l < R holds): the first
+// log2(R) butterfly steps split the values by lane bits 0, 1, ..., highest half first, so the index
+// is the lane's low bits reversed.
+template <int R>
+__host__ __device__ constexpr int scatter_lane(int r) {
+  int lane = 0;
+  for (int h = R / 2, bit = 1; h >= 1; h /= 2, bit *= 2) {
+    if (r & h) lane |= bit;
+  }
+  return lane;
+}
+
+// Warp sums of R values (R a power of two) that end scattered: lane l holds the warp's sum of value
+// scatter_lane<R>(l & (R - 1)). Each of the first log2(R) butterfly steps sends half of the values a
+// lane still holds and keeps the other half (chosen by the lane bit of that step), so the R sums take
+// R - 1 + 5 - log2(R) shuffles and adds instead of 5 R (8 values: 9 instead of 40). Fixed order, so
+// the lanes holding one value hold the same bits.
+template <int R>
+__device__ __forceinline__ float reduce_scatter(float (&v)[R]) {
+  static_assert(R >= 1 && R <= kWarp && (R & (R - 1)) == 0, "reduce_scatter needs a power of two up to 32");
+  const int lane = static_cast<int>(threadIdx.x) & (kWarp - 1);
+  int bit = 1;
+#pragma unroll
+  for (int h = R / 2; h >= 1; h /= 2, bit *= 2) {
+    const bool upper = (lane & bit) != 0;
+#pragma unroll
+    for (int i = 0; i < h; ++i) {
+      const float send = upper ? v[i] : v[i + h];
+      const float keep = upper ? v[i + h] : v[i];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, bit);
+    }
+  }
+  float t = v[0];
+#pragma unroll
+  for (; bit < kWarp; bit *= 2) t += __shfl_xor_sync(0xffffffffu, t, bit);
+  return t;
+}
+
 // Sums of R values over the CTA's threads (one row each). Every thread of the CTA must call it.
-// Fixed order (up to 4 warps: one float4 of zero-padded slots, added pairwise; more: in warp
-// order), so every thread gets the same bits.
+// Fixed order (warp sums scattered over the first R lanes; then up to 4 warps: one float4 of
+// zero-padded slots, added pairwise; more: in warp order), so every thread gets the same bits.
 template <int R>
 __device__ __forceinline__ void cta_sums(float (&v)[R], Slots<R>& slots) {
-#pragma unroll
-  for (int r = 0; r < R; ++r) v[r] = warp_sum(v[r]);
+  const float t = reduce_scatter<R>(v);
   const int warps = blockDim.x / kWarp;
-  if (warps == 1) return;
-  if ((threadIdx.x & (kWarp - 1)) == 0) {
+  const int lane = static_cast<int>(threadIdx.x) & (kWarp - 1);
+  if (warps == 1) {
 #pragma unroll
-    for (int r = 0; r < R; ++r) slots[r][threadIdx.x / kWarp] = v[r];
+    for (int r = 0; r < R; ++r) v[r] = __shfl_sync(0xffffffffu, t, scatter_lane<R>(r));
+    return;
   }
+  if (lane < R) slots[scatter_lane<R>(lane)][threadIdx.x / kWarp] = t;
   __syncthreads();
   if (warps <= 4) {
 #pragma unroll
@@ -603,18 +642,40 @@ __global__ void __maxnreg__(stream_regs(false, NV, VEC)) adaln_fwd_stream_kernel
   const uint32_t ring_base = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
 
   // Row group j goes to ring slot j % groups, passed in as `at` (no integer division in the loop).
+  // A group's rows are consecutive: above the 96-register cap their addresses advance by one row
+  // each (the compiler otherwise multiplied the 64-bit row offsets out for every row); under it that
+  // form spilled, so those kernels keep the per-row offsets.
+  constexpr bool kAdvance = stream_regs(false, NV, VEC) > 96;
   auto issue = [&](int j, int at) {
     if (j < st.iters) {
-      const int slot = at * R;
+      if constexpr (kAdvance) {
+        const int64_t n0 = st.row(j, 0);
+        const TX* src = xb + n0 * p.x_sn;
+        uint32_t dst = ring_base + at * R * g.row_bytes;
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int64_t n = st.row(j, r);
-        if (n < st.limit) {
+        for (int r = 0; r < R; ++r) {
+          if (n0 + r < st.limit) {
 #pragma unroll
-          for (int i = 0; i < NV; ++i) {
-            const int col = (i * T + tid) * VEC;
-            if (FULL || col < D) {
-              cp_async_pack<TX, VEC>(ring_base + (slot + r) * g.row_bytes + (i * T + tid) * PX, xb + n * p.x_sn + col);
+            for (int i = 0; i < NV; ++i) {
+              const int col = (i * T + tid) * VEC;
+              if (FULL || col < D) cp_async_pack<TX, VEC>(dst + (i * T + tid) * PX, src + col);
+            }
+          }
+          src += p.x_sn;
+          dst += g.row_bytes;
+        }
+      } else {
+        const int slot = at * R;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const int64_t n = st.row(j, r);
+          if (n < st.limit) {
+#pragma unroll
+            for (int i = 0; i < NV; ++i) {
+              const int col = (i * T + tid) * VEC;
+              if (FULL || col < D) {
+                cp_async_pack<TX, VEC>(ring_base + (slot + r) * g.row_bytes + (i * T + tid) * PX, xb + n * p.x_sn + col);
+              }
             }
           }
         }
@@ -742,6 +803,9 @@ __global__ void __maxnreg__(stream_regs(false, NV, VEC)) adaln_fwd_stream_kernel
         p.mean[st.b * p.N + n] = mean;
         p.rstd[st.b * p.N + n] = rstd;
       }
+      // The row's outputs (the compiler otherwise rebuilt the 64-bit offset from n, D and col for
+      // every chunk).
+      TO* yrow = yb + n * p.D;
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
         const int col = (i * T + tid) * VEC;
@@ -758,7 +822,7 @@ __global__ void __maxnreg__(stream_regs(false, NV, VEC)) adaln_fwd_stream_kernel
 #pragma unroll
             for (int k = 0; k < VEC; ++k) out[k] = (v[k] - mean) * rstd * a[i][k] + c[i][k];
           }
-          store_floats<TO, VEC>(yb + n * p.D + col, out);
+          store_floats<TO, VEC>(yrow + col, out);
         }
       }
     }
@@ -837,23 +901,29 @@ __global__ void __maxnreg__(stream_regs(true, NV, VEC)) adaln_bwd_stream_kernel(
   const int dy_off = NV * T * PX;  // the dy half of a staged row
 
   // Row group j goes to ring slot `at` = j % groups (computed once per group by the caller).
+  // A group's rows are consecutive: their addresses advance by one row each (the compiler otherwise
+  // multiplied the 64-bit row offsets out for every row).
   auto issue = [&](int j, int at) {
     if (j < st.iters) {
-      const int slot = at * R;
+      const int64_t n0 = st.row(j, 0);
+      const TX* xs = xb + n0 * p.x_sn;
+      const TD* dys = dyb + n0 * p.dy_sn;
+      uint32_t row = ring_base + at * R * g.row_bytes;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        const int64_t n = st.row(j, r);
-        if (n < st.limit) {
-          const uint32_t row = ring_base + (slot + r) * g.row_bytes;
+        if (n0 + r < st.limit) {
 #pragma unroll
           for (int i = 0; i < NV; ++i) {
             const int col = (i * T + tid) * VEC;
             if (FULL || col < D) {
-              cp_async_pack<TX, VEC>(row + (i * T + tid) * PX, xb + n * p.x_sn + col);
-              cp_async_pack<TD, VEC>(row + dy_off + (i * T + tid) * PD, dyb + n * p.dy_sn + col);
+              cp_async_pack<TX, VEC>(row + (i * T + tid) * PX, xs + col);
+              cp_async_pack<TD, VEC>(row + dy_off + (i * T + tid) * PD, dys + col);
             }
           }
         }
+        xs += p.x_sn;
+        dys += p.dy_sn;
+        row += g.row_bytes;
       }
     }
     cp_async_commit();
@@ -958,6 +1028,7 @@ __global__ void __maxnreg__(stream_regs(true, NV, VEC)) adaln_bwd_stream_kernel(
       const float c1 = sums[2 * r] * inv_d;
       const float c2 = sums[2 * r + 1] * inv_d;
       const unsigned char* row = ring + (slot + r) * g.row_bytes;
+      TX* dxrow = dxb + n * p.D;  // as in the forward
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
         const int col = (i * T + tid) * VEC;
@@ -970,7 +1041,7 @@ __global__ void __maxnreg__(stream_regs(true, NV, VEC)) adaln_bwd_stream_kernel(
             const float xh = (xv[k] - mean[r]) * rstd[r];
             out[k] = rstd[r] * fmaf(dy[k], a[i][k], fmaf(-xh, c1, -c2));
           }
-          store_floats<TX, VEC>(dxb + n * p.D + col, out);
+          store_floats<TX, VEC>(dxrow + col, out);
         }
       }
     }
