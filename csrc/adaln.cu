@@ -476,6 +476,8 @@ __device__ __forceinline__ void allow_next_grid() {
 #endif
 }
 
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
 template <int BYTES>
 __device__ __forceinline__ void cp_async(uint32_t dst, const void* src) {
   if constexpr (BYTES == 16) {
@@ -520,7 +522,8 @@ using Slots = float[ROWS][kStreamMaxWarps];
 
 template <int N>
 __device__ __forceinline__ void clear_slots(float* slots) {
-  for (int i = threadIdx.x; i < N; i += blockDim.x) slots[i] = 0.f;
+  static_assert(N % 4 == 0, "slots are cleared as float4s");
+  for (int i = threadIdx.x; i < N / 4; i += blockDim.x) reinterpret_cast<float4*>(slots)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
   __syncthreads();
 }
 
@@ -563,8 +566,9 @@ __device__ __forceinline__ float reduce_scatter(float (&v)[R]) {
 }
 
 // Sums of R values over the CTA's threads (one row each). Every thread of the CTA must call it.
-// Fixed order (warp sums scattered over the first R lanes; then up to 4 warps: one float4 of
-// zero-padded slots, added pairwise; more: in warp order), so every thread gets the same bits.
+// Fixed order (warp sums scattered over the first R lanes; then 2 warps: one float2 of slots;
+// 3 or 4: one float4 of zero-padded slots, added pairwise; more: in warp order), so every thread
+// gets the same bits.
 template <int R>
 __device__ __forceinline__ void cta_sums(float (&v)[R], Slots<R>& slots) {
   const float t = reduce_scatter<R>(v);
@@ -577,7 +581,13 @@ __device__ __forceinline__ void cta_sums(float (&v)[R], Slots<R>& slots) {
   }
   if (lane < R) slots[scatter_lane<R>(lane)][threadIdx.x / kWarp] = t;
   __syncthreads();
-  if (warps <= 4) {
+  if (warps == 2) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float2 q = reinterpret_cast<const float2*>(slots[r])[0];
+      v[r] = q.x + q.y;
+    }
+  } else if (warps <= 4) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const float4 q = reinterpret_cast<const float4*>(slots[r])[0];
@@ -622,6 +632,14 @@ __device__ __forceinline__ Strip strip_of(int64_t N, const StreamGrid& g) {
   return s;
 }
 
+// Rows of the group starting at row n0 (< limit) that are below the strip's limit: a group's rows
+// are consecutive in both orders.
+template <int R>
+__device__ __forceinline__ int rows_in_group(const Strip& st, int64_t n0) {
+  const int64_t left = st.limit - n0;
+  return left < R ? static_cast<int>(left) : R;
+}
+
 // Forward. Thread t covers features (i * T + t) * VEC + [0, VEC) for i < NV. Per row group: one
 // barrier for the R rows' shifted sums (two or three where a shift was poor), then the output.
 template <typename TX, typename TM, typename TO, int VEC, int NV, bool FULL>
@@ -632,53 +650,36 @@ __global__ void __maxnreg__(stream_regs(false, NV, VEC)) adaln_fwd_stream_kernel
   // Cross-warp slots for the one-pass sums, used by turns: a cta_sums call never writes the slots
   // that the previous call's slower threads may still be reading.
   __shared__ __align__(16) Slots<2 * R> slots[2];
-  clear_slots<2 * 2 * R * kStreamMaxWarps>(&slots[0][0][0]);
-  wait_for_previous_grid();
   const int tid = threadIdx.x;
   const int T = blockDim.x;
   const int D = static_cast<int>(p.D);
+  // Everything up to the first global access runs before waiting for the previous kernel.
   const Strip st = strip_of<R>(p.N, g);
   const TX* xb = static_cast<const TX*>(p.x) + st.b * p.x_sb;
-  const uint32_t ring_base = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+  const uint32_t ring_base = smem_addr(ring);
+  clear_slots<2 * 2 * R * kStreamMaxWarps>(&slots[0][0][0]);
+  wait_for_previous_grid();
 
   // Row group j goes to ring slot j % groups, passed in as `at` (no integer division in the loop).
-  // A group's rows are consecutive: above the 96-register cap their addresses advance by one row
-  // each (the compiler otherwise multiplied the 64-bit row offsets out for every row); under it that
-  // form spilled, so those kernels keep the per-row offsets.
-  constexpr bool kAdvance = stream_regs(false, NV, VEC) > 96;
+  // A group's rows are consecutive, so their addresses advance by one row each (the compiler
+  // otherwise multiplied the 64-bit row offsets out for every row).
   auto issue = [&](int j, int at) {
     if (j < st.iters) {
-      if constexpr (kAdvance) {
-        const int64_t n0 = st.row(j, 0);
-        const TX* src = xb + n0 * p.x_sn;
-        uint32_t dst = ring_base + at * R * g.row_bytes;
+      const int64_t n0 = st.row(j, 0);
+      const int valid = rows_in_group<R>(st, n0);
+      const TX* src = xb + n0 * p.x_sn;
+      uint32_t dst = ring_base + at * R * g.row_bytes;
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-          if (n0 + r < st.limit) {
+      for (int r = 0; r < R; ++r) {
+        if (r < valid) {
 #pragma unroll
-            for (int i = 0; i < NV; ++i) {
-              const int col = (i * T + tid) * VEC;
-              if (FULL || col < D) cp_async_pack<TX, VEC>(dst + (i * T + tid) * PX, src + col);
-            }
-          }
-          src += p.x_sn;
-          dst += g.row_bytes;
-        }
-      } else {
-        const int slot = at * R;
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const int64_t n = st.row(j, r);
-          if (n < st.limit) {
-#pragma unroll
-            for (int i = 0; i < NV; ++i) {
-              const int col = (i * T + tid) * VEC;
-              if (FULL || col < D) {
-                cp_async_pack<TX, VEC>(ring_base + (slot + r) * g.row_bytes + (i * T + tid) * PX, xb + n * p.x_sn + col);
-              }
-            }
+          for (int i = 0; i < NV; ++i) {
+            const int col = (i * T + tid) * VEC;
+            if (FULL || col < D) cp_async_pack<TX, VEC>(dst + (i * T + tid) * PX, src + col);
           }
         }
+        src += p.x_sn;
+        dst += g.row_bytes;
       }
     }
     cp_async_commit();  // empty groups too, so that every thread counts the same groups
@@ -737,9 +738,11 @@ __global__ void __maxnreg__(stream_regs(false, NV, VEC)) adaln_fwd_stream_kernel
 #pragma unroll
   for (int r = 0; r < R; ++r) pivot[r] = 0.f;
   int use = 0;  // the slots of the next cta_sums (consecutive calls alternate)
-  for (int j = 0, at = 0; j < st.iters; ++j, at = at + 1 == g.groups ? 0 : at + 1) {
+  for (int j = 0, at = 0; j < st.iters; ++j) {
     cp_async_wait(g.groups - 1);
     const int slot = at * R;
+    const int64_t n0 = st.row(j, 0);
+    const int valid = rows_in_group<R>(st, n0);
     auto staged = [&](int r, int i) {
       return load_pack<TX, VEC>(reinterpret_cast<const TX*>(ring + (slot + r) * g.row_bytes + (i * T + tid) * PX));
     };
@@ -783,19 +786,19 @@ __global__ void __maxnreg__(stream_regs(false, NV, VEC)) adaln_fwd_stream_kernel
         const float m = sums[2 * r] * inv_d;
         sum[r] = pivot[r] + m;
         sq[r] = fmaxf(sums[2 * r + 1] * inv_d - m * m, 0.f);
-        if (st.row(j, r) < st.limit && sums[2 * r] * m > 0.9375f * sums[2 * r + 1]) settled = false;
+        if (r < valid && sums[2 * r] * m > 0.9375f * sums[2 * r + 1]) settled = false;
       }
       // The rows past the strip's end keep their pivot: their staged bytes are stale.
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        if (st.row(j, r) < st.limit) pivot[r] = sum[r];
+        if (r < valid) pivot[r] = sum[r];
       }
       if (settled || pass == 2) break;
     }
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const int64_t n = st.row(j, r);
-      if (n >= st.limit) break;
+      if (r >= valid) break;
+      const int64_t n = n0 + r;
       const float mean = sum[r];
       const float rstd = rsqrtf(sq[r] + p.eps);
       const float shifted = -mean * rstd;
@@ -829,6 +832,7 @@ __global__ void __maxnreg__(stream_regs(false, NV, VEC)) adaln_fwd_stream_kernel
     // Done with this group's slots (every value read above was used): refill them with the group
     // `groups` ahead.
     issue(j + g.groups, at);
+    if (++at == g.groups) at = 0;
   }
   cp_async_wait(0);
 }
@@ -889,16 +893,17 @@ __global__ void __maxnreg__(stream_regs(true, NV, VEC)) adaln_bwd_stream_kernel(
   constexpr int PD = static_cast<int>(sizeof(TD)) * VEC;
   extern __shared__ __align__(16) unsigned char ring[];
   __shared__ __align__(16) Slots<2 * R> slots[2];
-  clear_slots<2 * 2 * R * kStreamMaxWarps>(&slots[0][0][0]);
-  wait_for_previous_grid();
   const int tid = threadIdx.x;
   const int T = blockDim.x;
   const int D = static_cast<int>(p.D);
+  // Everything up to the first global access runs before waiting for the previous kernel.
   const Strip st = strip_of<R>(p.N, g);
   const TX* xb = static_cast<const TX*>(p.x) + st.b * p.x_sb;
   const TD* dyb = static_cast<const TD*>(p.dy) + st.b * p.dy_sb;
-  const uint32_t ring_base = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+  const uint32_t ring_base = smem_addr(ring);
   const int dy_off = NV * T * PX;  // the dy half of a staged row
+  clear_slots<2 * 2 * R * kStreamMaxWarps>(&slots[0][0][0]);
+  wait_for_previous_grid();
 
   // Row group j goes to ring slot `at` = j % groups (computed once per group by the caller).
   // A group's rows are consecutive: their addresses advance by one row each (the compiler otherwise
