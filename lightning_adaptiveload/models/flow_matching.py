@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import math
+import os
+import struct
 from collections.abc import Mapping, Sequence
 from time import perf_counter
 from typing import Any
@@ -14,9 +17,51 @@ import torch
 import torch.nn.functional as F
 from typing_extensions import override
 
+from lightning_adaptiveload.geometry import tokens_of
 from lightning_adaptiveload.models.wan import WanConfig, WanModel, from_name_or_config
 
-__all__ = ["FlowMatchingModule", "shift_timesteps"]
+__all__ = ["FlowMatchingModule", "draw_seed", "shift_timesteps", "wan_forward_flops"]
+
+# Streams of `draw_seed`: training steps, and calls of `compute_loss` without a generator
+# (profiling, evaluation), which must never replay or shift a training step's draws.
+TRAIN_STREAM = 0
+OUTSIDE_STREAM = 1
+
+
+def draw_seed(seed: int, step: int, rank: int, micro_batch: int = 0, stream: int = TRAIN_STREAM) -> int:
+    """64-bit seed of the timestep and noise draws of one micro-batch: a pure function of its arguments.
+
+    A hash (blake2b) of the five integers, so neighbouring steps or ranks get unrelated streams and a
+    resumed run, or a run on another number of ranks, draws exactly what the same (step, rank) drew
+    before.
+    """
+    data = struct.pack("<5q", int(seed), int(stream), int(step), int(rank), int(micro_batch))
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def wan_forward_flops(config: WanConfig, seq_len: int) -> int:
+    """FLOPs of one forward pass of :class:`~lightning_adaptiveload.models.wan.WanModel` for one sample.
+
+    Counts every matmul (2 FLOPs per multiply-add) and nothing else (norms, RoPE, activations,
+    residuals and modulation are element-wise). With S = ``seq_len``, D = dim, F = ffn_dim,
+    L = text_len (the context is zero-padded to it), T = text_dim, P = prod(patch_size), N = num_layers::
+
+        per token, every layer:   self-attn q, k, v, o  4·2·D²   cross-attn q, o  2·2·D²   FFN  2·2·D·F
+        per token, once:          patch embedding 2·in_dim·P·D   head 2·D·out_dim·P
+        per sample, every layer:  cross-attn k, v on the text tokens 2·2·L·D²
+        per sample, once:         text MLP 2·L·(T·D + D²)   time MLP 2·(freq_dim·D + D²)   projection 2·6·D²
+        attention, every layer:   self 4·S²·D (q·kᵀ and p·v)   cross 4·S·L·D
+
+    ``torch.utils.flop_counter.FlopCounterMode`` counts the same number on the model's forward.
+    """
+    c = config
+    d, s, n_text, p = c.dim, int(seq_len), c.text_len, math.prod(c.patch_size)
+    per_token = 2 * (c.num_layers * (6 * d * d + 2 * d * c.ffn_dim) + c.in_dim * p * d + d * c.out_dim * p)
+    per_sample = 2 * (
+        c.num_layers * 2 * n_text * d * d + n_text * (c.text_dim * d + d * d) + c.freq_dim * d + d * d + 6 * d * d
+    )
+    attention = c.num_layers * (4 * s * s * d + 4 * s * n_text * d)
+    return per_token * s + per_sample + attention
 
 
 def shift_timesteps(u: torch.Tensor, shift: float) -> torch.Tensor:
@@ -60,6 +105,16 @@ class FlowMatchingModule(pl.LightningModule):
         timestep_shift: Wan's schedule shift (5.0 for 480p/720p video; 1.0: uniform t).
         num_train_timesteps: scale of the timestep the model sees (Wan: 1000).
         activation_checkpointing: recompute block activations in backward.
+        seed: seed of the timestep and noise draws (see below); ``None``: the seed given to
+            ``lightning.seed_everything`` (``adaptiveload-train``'s ``seed``), or 0 without one.
+
+    Timesteps and noise of a training micro-batch come from a ``torch.Generator`` on the batch's
+    device seeded by :func:`draw_seed` from (seed, global step, global rank, micro-batch index
+    within the step), never from the global RNG: a resumed run draws exactly what the
+    uninterrupted run drew at every step, each rank draws its own noise, and a run on another
+    number of ranks has a well-defined stream (rank r at step s always draws the same).
+    :meth:`compute_loss` called outside ``training_step`` (profiling, evaluation) uses a separate
+    stream unless it is given a ``generator``, so it never consumes or replays a training draw.
 
     Example::
 
@@ -79,6 +134,7 @@ class FlowMatchingModule(pl.LightningModule):
         timestep_shift: float = 5.0,
         num_train_timesteps: int = 1000,
         activation_checkpointing: bool = False,
+        seed: int | None = None,
     ) -> None:
         super().__init__()
         config = from_name_or_config(model)
@@ -107,6 +163,10 @@ class FlowMatchingModule(pl.LightningModule):
                 f"`FlowMatchingModule(num_train_timesteps={num_train_timesteps!r})` is not valid. "
                 "Expected a positive number."
             )
+        if seed is not None and (int(seed) != seed or seed < 0):
+            raise ValueError(
+                f"`FlowMatchingModule(seed={seed!r})` is not valid. Expected a non-negative integer or None."
+            )
         # save_hyperparameters reads the init arguments from this frame: store the resolved config
         # as a plain dict so hparams.yaml and `load_from_checkpoint` do not depend on the class.
         if not isinstance(model, str):
@@ -119,6 +179,9 @@ class FlowMatchingModule(pl.LightningModule):
         self._last_step_start: float | None = None
         self._last_step_samples = 0
         self._last_step_tokens = 0
+        # (global step, index) of the last training micro-batch: the index counts micro-batches of
+        # one optimizer step under gradient accumulation.
+        self._micro_batch: tuple[int, int] = (-1, 0)
 
     @override
     def configure_model(self) -> None:
@@ -141,28 +204,79 @@ class FlowMatchingModule(pl.LightningModule):
         """Velocity prediction of the Wan model (timesteps in [0, num_train_timesteps])."""
         return self._require_model()(x, t, context)
 
-    def sample_timesteps(self, batch_size: int, device: torch.device | None = None) -> torch.Tensor:
-        """Draw ``batch_size`` flow times in [0, 1] from Wan's shifted schedule (global RNG)."""
-        u = torch.rand(batch_size, device=self.device if device is None else device)
+    def sample_timesteps(
+        self,
+        batch_size: int,
+        device: torch.device | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Draw ``batch_size`` flow times in [0, 1] from Wan's shifted schedule.
+
+        From ``generator`` when given (on ``device``), else from the global RNG.
+        """
+        u = torch.rand(batch_size, device=self.device if device is None else device, generator=generator)
         return shift_timesteps(u, self.hparams.timestep_shift)
 
-    def compute_loss(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Rectified-flow loss (fp32 scalar) of a batch with ``latents [B,C,F,H,W]`` and ``context [B,L,D]``."""
+    @property
+    def draw_seed(self) -> int:
+        """The ``seed`` argument, or the seed of ``lightning.seed_everything`` (``PL_GLOBAL_SEED``), or 0."""
+        seed = self.hparams.get("seed")
+        return int(os.environ.get("PL_GLOBAL_SEED", 0)) if seed is None else int(seed)
+
+    def noise_generator(
+        self,
+        device: torch.device | str | None = None,
+        step: int | None = None,
+        rank: int | None = None,
+        micro_batch: int = 0,
+        stream: int = TRAIN_STREAM,
+    ) -> torch.Generator:
+        """A generator on ``device`` seeded by :func:`draw_seed` (step and rank default to the Trainer's)."""
+        device = self.device if device is None else torch.device(device)
+        step = self.global_step if step is None else step
+        rank = self.global_rank if rank is None else rank
+        return torch.Generator(device=device).manual_seed(
+            draw_seed(self.draw_seed, step, rank, micro_batch, stream)
+        )
+
+    def compute_loss(
+        self, batch: Mapping[str, torch.Tensor], generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        """Rectified-flow loss (fp32 scalar) of a batch with ``latents [B,C,F,H,W]`` and ``context [B,L,D]``.
+
+        Timesteps, then noise, are drawn from ``generator`` (on the latents' device). Without one,
+        from the stream kept apart from training (seeded by the module's seed, global step and rank),
+        so calling it (profiling) neither consumes nor disturbs any training draw or the global RNG.
+        """
         model = self._require_model()
         x0 = batch["latents"].float()
+        if generator is None:
+            generator = self.noise_generator(x0.device, stream=OUTSIDE_STREAM)
         b = x0.shape[0]
-        t = self.sample_timesteps(b, x0.device)
-        noise = torch.randn_like(x0)
+        t = self.sample_timesteps(b, x0.device, generator=generator)
+        noise = torch.randn(x0.shape, dtype=x0.dtype, device=x0.device, generator=generator)
         tb = t.view(b, 1, 1, 1, 1)
         x_t = (1 - tb) * x0 + tb * noise
         pred = model(x_t, t * self.hparams.num_train_timesteps, batch["context"])
         return F.mse_loss(pred.float(), noise - x0)
 
+    def batch_shape(self, batch: Mapping[str, torch.Tensor]) -> tuple[int, int]:
+        """``(B, S)`` of a batch: samples, and tokens per sample after patchify of ``latents [B,C,F,H,W]``."""
+        return tokens_of(batch["latents"], self.patch_size)
+
     def tokens_in_batch(self, batch: Mapping[str, torch.Tensor]) -> int:
         """B · S of a batch: samples times tokens per sample after patchify."""
-        latents = batch["latents"]
-        tokens = math.prod(s // p for s, p in zip(latents.shape[2:], self.patch_size, strict=True))
-        return int(latents.shape[0]) * tokens
+        b, s = self.batch_shape(batch)
+        return b * s
+
+    def flops_per_sample(self, seq_len: int) -> float:
+        """Model FLOPs of forward + backward for one sample of ``seq_len`` tokens: 3 × the forward.
+
+        The forward is :func:`wan_forward_flops` (every matmul, attention included); backward counts
+        as twice the forward, the usual model-FLOPs convention (the backward of a matmul is two
+        matmuls of its size). Recomputation under activation checkpointing is not counted.
+        """
+        return 3.0 * wan_forward_flops(self.config, seq_len)
 
     def synthetic_batch(
         self,
@@ -212,7 +326,11 @@ class FlowMatchingModule(pl.LightningModule):
         self._last_step_start = start
         self._last_step_samples = samples
         self._last_step_tokens = self.tokens_in_batch(batch)
-        loss = self.compute_loss(batch)
+        step, index = self._micro_batch
+        index = index + 1 if step == self.global_step else 0
+        self._micro_batch = (self.global_step, index)
+        generator = self.noise_generator(batch["latents"].device, micro_batch=index)
+        loss = self.compute_loss(batch, generator=generator)
         self.log("train/loss", loss, prog_bar=True, batch_size=samples)
         return loss
 

@@ -1,13 +1,22 @@
 import math
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
 
 import lightning_adaptiveload.models.flow_matching as fm
-from lightning_adaptiveload.models.flow_matching import FlowMatchingModule, shift_timesteps
-from lightning_adaptiveload.models.wan import WAN_CONFIGS, WanModel
+from lightning_adaptiveload.models.flow_matching import (
+    FlowMatchingModule,
+    draw_seed,
+    shift_timesteps,
+    wan_forward_flops,
+)
+from lightning_adaptiveload.models.wan import WAN_CONFIGS, WanConfig, WanModel
 
 
 def _module(**kwargs):
@@ -53,11 +62,10 @@ def test_compute_loss_is_rectified_flow():
     module.model = _Recorder()
     batch = module.synthetic_batch(3, (2, 2, 3))
     x0 = batch["latents"]
-    torch.manual_seed(11)
-    loss = module.compute_loss(batch)
-    torch.manual_seed(11)
-    t = shift_timesteps(torch.rand(3), 5.0)
-    noise = torch.randn_like(x0)
+    loss = module.compute_loss(batch, generator=torch.Generator().manual_seed(11))
+    gen = torch.Generator().manual_seed(11)
+    t = shift_timesteps(torch.rand(3, generator=gen), 5.0)
+    noise = torch.randn(x0.shape, generator=gen)
     tb = t.view(3, 1, 1, 1, 1)
     x_t = (1 - tb) * x0 + tb * noise
     (seen_x, seen_t, seen_ctx) = module.model.calls[0]
@@ -69,6 +77,170 @@ def test_compute_loss_is_rectified_flow():
     torch.testing.assert_close(loss, expected)
 
 
+def _fake_trainer(module, monkeypatch, step, rank):
+    """Attach just enough of a Trainer for `training_step`: its step and rank; logging is a no-op."""
+    monkeypatch.setattr(module, "_trainer", SimpleNamespace(global_step=step, global_rank=rank), raising=False)
+    monkeypatch.setattr(module, "log", lambda *args, **kwargs: None)
+
+
+def _training_input(module, monkeypatch, step, rank, batch):
+    _fake_trainer(module, monkeypatch, step, rank)
+    module.model.calls.clear()
+    module.training_step(batch, 0)
+    return module.model.calls[0][0]  # x_t, which carries the timestep and the noise
+
+
+def test_training_draws_are_a_function_of_seed_step_rank_and_micro_batch(monkeypatch):
+    module = FlowMatchingModule("tiny", seed=3)
+    module.model = _Recorder()
+    batch = module.synthetic_batch(2, (1, 2, 2))
+    global_state = torch.get_rng_state()
+    first = _training_input(module, monkeypatch, step=5, rank=0, batch=batch)
+    assert torch.equal(torch.get_rng_state(), global_state)  # the global RNG is not used
+    # A second micro-batch of the same optimizer step (gradient accumulation) draws anew ...
+    second = _training_input(module, monkeypatch, step=5, rank=0, batch=batch)
+    assert not torch.equal(first, second)
+    # ... and a fresh module (a resumed run) at the same step, rank and micro-batch draws the same.
+    resumed = FlowMatchingModule("tiny", seed=3)
+    resumed.model = _Recorder()
+    torch.manual_seed(1234)  # whatever the global RNG holds
+    assert torch.equal(_training_input(resumed, monkeypatch, step=5, rank=0, batch=batch), first)
+    assert torch.equal(_training_input(resumed, monkeypatch, step=5, rank=0, batch=batch), second)
+    # Another step or another seed: other draws.
+    assert not torch.equal(_training_input(resumed, monkeypatch, step=6, rank=0, batch=batch), first)
+    other_seed = FlowMatchingModule("tiny", seed=4)
+    other_seed.model = _Recorder()
+    assert not torch.equal(_training_input(other_seed, monkeypatch, step=5, rank=0, batch=batch), first)
+
+
+def test_two_ranks_draw_different_noise(monkeypatch):
+    module = FlowMatchingModule("tiny", seed=0)
+    module.model = _Recorder()
+    batch = module.synthetic_batch(2, (1, 2, 2))
+    rank0 = _training_input(module, monkeypatch, step=0, rank=0, batch=batch)
+    module._micro_batch = (-1, 0)
+    rank1 = _training_input(module, monkeypatch, step=0, rank=1, batch=batch)
+    assert not torch.equal(rank0, rank1)
+    assert draw_seed(0, 0, 0) != draw_seed(0, 0, 1) != draw_seed(0, 1, 0)
+
+
+def test_seed_defaults_to_the_seed_everything_seed(monkeypatch):
+    monkeypatch.setenv("PL_GLOBAL_SEED", "17")
+    assert FlowMatchingModule("tiny").draw_seed == 17
+    assert FlowMatchingModule("tiny", seed=2).draw_seed == 2
+    monkeypatch.delenv("PL_GLOBAL_SEED")
+    assert FlowMatchingModule("tiny").draw_seed == 0
+    with pytest.raises(ValueError, match=r"FlowMatchingModule\(seed=-1\)"):
+        FlowMatchingModule("tiny", seed=-1)
+
+
+def test_compute_loss_outside_training_leaves_every_training_stream_alone(monkeypatch):
+    module = FlowMatchingModule("tiny", seed=0)
+    module.model = _Recorder()
+    batch = module.synthetic_batch(2, (1, 2, 2))
+    state = torch.get_rng_state()
+    module.compute_loss(batch)
+    module.compute_loss(batch)
+    assert torch.equal(torch.get_rng_state(), state)
+    profiled = [c[0] for c in module.model.calls]
+    assert torch.equal(profiled[0], profiled[1])  # repeatable: profiling repeats measure the same work
+    # Not the draws of training step 0 on this rank, which it would otherwise replay or shift.
+    assert not torch.equal(_training_input(module, monkeypatch, step=0, rank=0, batch=batch), profiled[0])
+
+
+class _LossTape(pl.Callback):
+    def __init__(self):
+        self.losses = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses[trainer.global_step] = outputs["loss"].item()
+
+
+def _fit_tiny(tmp_path, max_steps, ckpt_path=None, checkpoint_every=None):
+    """Fit the tiny model on a mixed image + video dataset through the adaptive DataModule."""
+    from lightning_adaptiveload.bucketing.policy import DualConstraintPolicy
+    from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+    from lightning_adaptiveload.data.synthetic import SyntheticMixedDataset
+
+    pl.seed_everything(0)
+    module = FlowMatchingModule("tiny", lr=1e-3, seed=0)
+    data = AdaptiveLoadDataModule(
+        SyntheticMixedDataset(48, "tiny", text_len=16, text_dim=32), DualConstraintPolicy(512, 28800, 2.0)
+    )
+    tape = _LossTape()
+    callbacks = [tape]
+    if checkpoint_every:
+        callbacks.append(
+            ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=checkpoint_every, save_top_k=-1, filename="{step}")
+        )
+    trainer = pl.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=bool(checkpoint_every),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    return tape.losses
+
+
+def test_resumed_run_has_the_uninterrupted_loss_at_every_step(tmp_path):
+    full = _fit_tiny(tmp_path / "full", max_steps=8, checkpoint_every=4)
+    assert len(full) == 8
+    # Re-seeding at the start of the resumed run must not matter: the draws are keyed by step.
+    torch.manual_seed(99)
+    resumed = _fit_tiny(tmp_path / "resumed", max_steps=8, ckpt_path=tmp_path / "full" / "step=4.ckpt")
+    assert sorted(resumed) == [5, 6, 7, 8]
+    assert {s: full[s] for s in resumed} == resumed  # exactly equal, not close
+
+
+def test_batch_shape_and_tokens_in_batch():
+    module = FlowMatchingModule("tiny")
+    batch = module.synthetic_batch(3, (2, 3, 5))
+    assert module.batch_shape(batch) == (3, 30)
+    assert module.tokens_in_batch(batch) == 90
+    # Positional use, as the protocol calls it: synthetic_batch(batch_size, token_grid, device).
+    assert module.batch_shape(module.synthetic_batch(1, (1, 1, 2), "cpu")) == (1, 2)
+    with pytest.raises(ValueError, match="not divisible by patch_size"):
+        module.batch_shape({"latents": torch.zeros(1, 16, 1, 3, 4)})
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        WAN_CONFIGS["tiny"],
+        WanConfig(dim=48, ffn_dim=80, num_heads=2, num_layers=3, in_dim=4, out_dim=8, text_dim=24, text_len=5,
+                  freq_dim=32, patch_size=(2, 1, 2)),
+    ],
+)
+@pytest.mark.parametrize("grid", [(1, 3, 4), (3, 2, 5)])
+def test_flops_per_sample_counts_every_matmul_of_the_forward(config, grid):
+    torch.manual_seed(0)
+    module = FlowMatchingModule(config)
+    module.configure_model()
+    batch_size = 2
+    batch = module.synthetic_batch(batch_size, grid)
+    # The math backend runs attention as bmm, which the counter sees (CPU's fused SDPA kernel has no
+    # FLOP formula registered and would count as zero).
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        module.model(batch["latents"], torch.tensor([10.0, 900.0]), batch["context"])
+    seq_len = math.prod(grid)
+    assert counter.get_total_flops() == batch_size * wan_forward_flops(config, seq_len)  # exact
+    assert module.flops_per_sample(seq_len) == 3 * wan_forward_flops(config, seq_len)
+
+
+def test_flops_per_sample_of_wan_1_3b_grows_quadratically():
+    module = FlowMatchingModule("wan2_1_1_3b")
+    # 1.3B: ~2 × 1.3e9 FLOPs per token forward, plus attention 4·S²·D per layer.
+    small, large = module.flops_per_sample(1560), module.flops_per_sample(32760)
+    linear_part = 3 * 2 * 30 * (6 * 1536**2 + 2 * 1536 * 8960) * 32760
+    attention = 3 * 30 * 4 * 32760**2 * 1536
+    assert large > attention + linear_part
+    assert large / small > 32760 / 1560
 def test_tokens_and_synthetic_batch():
     module = FlowMatchingModule("tiny")
     state = torch.get_rng_state()
@@ -128,8 +300,8 @@ def test_adamw_steps_reduce_loss_on_fixed_batch():
     batch = module.synthetic_batch(2, (2, 2, 3))
     losses = []
     for _ in range(15):
-        torch.manual_seed(0)  # same t and noise every step: a fixed regression problem
-        loss = module.compute_loss(batch)
+        # Same t and noise every step: a fixed regression problem.
+        loss = module.compute_loss(batch, generator=torch.Generator().manual_seed(0))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
