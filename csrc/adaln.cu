@@ -30,7 +30,6 @@
 
 #include "adaln.h"
 
-#include <cstdlib>
 #include <type_traits>
 
 #include <cooperative_groups.h>
@@ -1254,13 +1253,6 @@ int multiprocessors() {
   return cached_attribute(cache, cudaDevAttrMultiProcessorCount, 1);
 }
 
-// Launch settings from the environment, read once: ADALN_PDL=0 turns off programmatic dependent
-// launch, ADALN_CLUSTER=1 the backward's clusters (see cluster_setting).
-int knob(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v != 0 ? std::atoi(v) : fallback;
-}
-
 // Whether the current device has thread-block clusters and programmatic dependent launch (sm_90+).
 bool hopper_or_newer() {
   static int cache[64] = {};
@@ -1304,10 +1296,8 @@ cudaError_t launch_ex(Kernel kernel, int64_t grid, dim3 block, int smem, cudaStr
   return cudaLaunchKernelEx(&cfg, kernel, args...);
 }
 
-bool overlap_launches() {
-  static const int on = knob("ADALN_PDL", 1);
-  return on != 0 && hopper_or_newer();
-}
+// Programmatic dependent launch unless the caller's options turn it off (AdalnLaunchOptions::pdl).
+bool overlap_launches(const AdalnLaunchOptions& o) { return o.pdl != 0 && hopper_or_newer(); }
 
 // Answers of the launch-plan queries (occupancy, shared-memory limits, ring sizes), kept per device,
 // kernel and up to three integers: each query costs a few microseconds, about as much as a small
@@ -1442,10 +1432,11 @@ cudaError_t resident_clusters(int* count, Kernel kernel, int threads, int smem, 
 // strips keep plain CTAs.
 constexpr int64_t kClusterMaxRows = 16;
 
-// ADALN_CLUSTER: unset = clusters of kMaxCluster for strips of at most kClusterMaxRows rows;
-// 1 = never; 2, 4 or 8 = always that size. Only on sm_90+ and when the ring can hold a CTA's sums.
-int cluster_setting() {
-  static const int want = knob("ADALN_CLUSTER", 0);
+// AdalnLaunchOptions::cluster: 0 = clusters of kMaxCluster for strips of at most kClusterMaxRows
+// rows; 1 = never; 2, 4 or 8 = always that size. Only on sm_90+ and when the ring can hold a CTA's
+// sums.
+int cluster_setting(const AdalnLaunchOptions& o) {
+  const int want = o.cluster;
   return want <= 0 ? 0 : (want >= kMaxCluster ? kMaxCluster : (want >= 4 ? 4 : (want >= 2 ? 2 : 1)));
 }
 
@@ -1464,7 +1455,7 @@ void plan_strips(int64_t B, int64_t N, int rows, int64_t target, StreamGrid* g) 
 
 template <typename Kernel>
 cudaError_t stream_plan(Kernel kernel, int64_t B, int64_t N, int threads, int row_bytes, int rows, bool backward,
-                        int64_t D, StreamGrid* g, int* smem) {
+                        int64_t D, const AdalnLaunchOptions& opts, StreamGrid* g, int* smem) {
   StreamRing ring{};
   cudaError_t err = stream_ring(kernel, threads, row_bytes, rows, &ring);
   if (err != cudaSuccess) return err;
@@ -1481,7 +1472,7 @@ cudaError_t stream_plan(Kernel kernel, int64_t B, int64_t N, int threads, int ro
     return cudaSuccess;
   }
   plan_strips(B, N, rows, target, g);
-  const int setting = cluster_setting();
+  const int setting = cluster_setting(opts);
   const bool want = setting == 0 ? g->rows_per_strip <= kClusterMaxRows : setting > 1;
   if (!backward || !want || !hopper_or_newer() || ring.smem < 8 * D) return cudaSuccess;
   const int size = setting == 0 ? kMaxCluster : setting;
@@ -1514,8 +1505,8 @@ int stream_nv(int64_t chunks, int few, int many, bool prefer_few = false) {
 //   61.7-61.8% -> 62.8%; the long shapes within 0.6 points.
 constexpr int64_t kShortWaveRowsPerSm = 64;
 
-// 16-byte chunks a streamed thread takes: `setting` (ADALN_FWD_FEATURES, ADALN_BWD_FEATURES) 16 or 24
-// forces that many features; otherwise stream_nv, on a tie the smaller size for fp32 x in a short
+// 16-byte chunks a streamed thread takes: `setting` (AdalnLaunchOptions::fwd_features or
+// bwd_features) 16 or 24 forces that many features; otherwise stream_nv, on a tie the smaller size for fp32 x in a short
 // wave (above).
 int stream_features(int setting, AdalnDtype x_dtype, int64_t rows, int64_t chunks, int few, int many) {
   if (setting == kStreamFewFeatures || setting == kStreamManyFeatures) return setting == kStreamFewFeatures ? few : many;
@@ -1569,9 +1560,10 @@ cudaError_t launch_fwd_stream(const AdalnFwdParams& p, int threads, cudaStream_t
   StreamGrid g{};
   int smem = 0;
   const auto kernel = adaln_fwd_stream_kernel<TX, TM, TO, VEC, NV, FULL>;
-  cudaError_t err = stream_plan(kernel, p.B, p.N, threads, row_bytes, fwd_stream_rows<TX>(), false, p.D, &g, &smem);
+  cudaError_t err = stream_plan(kernel, p.B, p.N, threads, row_bytes, fwd_stream_rows<TX>(), false, p.D, p.launch, &g,
+                                &smem);
   if (err != cudaSuccess) return err;
-  return launch_ex(kernel, p.B * g.strips, dim3(threads), smem, stream, 1, overlap_launches(), p, g);
+  return launch_ex(kernel, p.B * g.strips, dim3(threads), smem, stream, 1, overlap_launches(p.launch), p, g);
 }
 
 // Threads of a streamed CTA (NV chunks each) and whether they cover the row exactly (no bounds
@@ -1608,8 +1600,7 @@ cudaError_t fwd_vec(const AdalnFwdParams& p, cudaStream_t stream) {
     const int64_t chunks = p.D / V;
     if (p.scale_sn == 0 && p.shift_sn == 0 && chunks >= kStreamMinChunks) {
       constexpr int kFew = kStreamFewFeatures / V, kMany = kStreamManyFeatures / V;
-      static const int setting = knob("ADALN_FWD_FEATURES", 0);
-      if (stream_features(setting, p.x_dtype, p.B * p.N, chunks, kFew, kMany) == kMany) {
+      if (stream_features(p.launch.fwd_features, p.x_dtype, p.B * p.N, chunks, kFew, kMany) == kMany) {
         return fwd_stream<TX, TM, TO, V, kMany>(p, stream);
       }
       return fwd_stream<TX, TM, TO, V, kFew>(p, stream);
@@ -1660,7 +1651,7 @@ cudaError_t launch_finish(const AdalnBwdParams& p, int64_t strips, cudaStream_t 
     if (err != cudaSuccess) return err;
     if (blocks <= static_cast<int64_t>(multiprocessors()) * per_sm) break;
   }
-  return launch_ex(adaln_finish_kernel, blocks, dim3(kRedCols, slices), 0, stream, 1, overlap_launches(), jobs);
+  return launch_ex(adaln_finish_kernel, blocks, dim3(kRedCols, slices), 0, stream, 1, overlap_launches(p.launch), jobs);
 }
 
 // The backward's launch plan; the workspace query and the launch must agree, so both use this.
@@ -1710,14 +1701,14 @@ cudaError_t launch_bwd_stream(const AdalnBwdParams& p, int threads, cudaStream_t
   StreamGrid g{};
   int smem = 0;
   const auto kernel = adaln_bwd_stream_kernel<TX, TM, TD, VEC, NV, FULL>;
-  cudaError_t err = stream_plan(kernel, p.B, p.N, threads, row_bytes, kStreamBwdRows, true, p.D, &g, &smem);
+  cudaError_t err = stream_plan(kernel, p.B, p.N, threads, row_bytes, kStreamBwdRows, true, p.D, p.launch, &g, &smem);
   if (err != cudaSuccess) return err;
   const int64_t parts = p.B * g.strips / g.cluster;
   if (workspace_bytes != nullptr) {
     *workspace_bytes = 2 * static_cast<size_t>(parts) * static_cast<size_t>(p.D) * sizeof(float);
     return cudaSuccess;
   }
-  err = launch_ex(kernel, p.B * g.strips, dim3(threads), smem, stream, g.cluster, overlap_launches(), p, g);
+  err = launch_ex(kernel, p.B * g.strips, dim3(threads), smem, stream, g.cluster, overlap_launches(p.launch), p, g);
   if (err != cudaSuccess) return err;
   return launch_finish(p, g.strips / g.cluster, stream);
 }
@@ -1738,8 +1729,7 @@ cudaError_t bwd_values(const AdalnBwdParams& p, cudaStream_t stream, size_t* wor
   const int64_t chunks = p.D / V;
   if (!p.per_token && chunks >= kStreamMinChunks) {
     constexpr int kFew = kStreamFewFeatures / V, kMany = kStreamManyFeatures / V;
-    static const int setting = knob("ADALN_BWD_FEATURES", 0);
-    if (stream_features(setting, p.x_dtype, p.B * p.N, chunks, kFew, kMany) == kMany) {
+    if (stream_features(p.launch.bwd_features, p.x_dtype, p.B * p.N, chunks, kFew, kMany) == kMany) {
       return bwd_stream<TX, TM, TD, V, kMany>(p, stream, workspace_bytes);
     }
     return bwd_stream<TX, TM, TD, V, kFew>(p, stream, workspace_bytes);
@@ -1781,6 +1771,7 @@ cudaError_t bwd_vec(const AdalnBwdParams& p, cudaStream_t stream, size_t* worksp
 
 bool adaln_supported(AdalnDtype x, AdalnDtype m, AdalnDtype o, int64_t D) {
   if (D < 1 || D > ADALN_MAX_D) return false;
+  if (D > ADALN_MAX_D_ANY && D % (16 / dtype_bytes(x)) != 0) return false;
   if (m != ADALN_F32 && m != x) return false;
   const AdalnDtype promoted = m == ADALN_F32 ? ADALN_F32 : x;
   return o == promoted || o == ADALN_BF16;

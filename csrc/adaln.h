@@ -13,9 +13,22 @@
 
 enum AdalnDtype : int { ADALN_F32 = 0, ADALN_BF16 = 1, ADALN_F16 = 2 };
 
-// The largest feature size the kernels keep in registers (the backward holds up to 24 values a
-// thread, up to 256 threads a row at that size; Wan 2.1 14B is 5120 wide).
+// The largest feature sizes the kernels keep in registers. Rows of any layout (the scalar path: 4
+// values a thread, up to 1024 threads a row in the backward) up to ADALN_MAX_D_ANY; rows with D a
+// multiple of 16 bytes and 16-byte-aligned pointers and strides (the vector paths: up to 24 values
+// a thread, 256 threads a row) up to ADALN_MAX_D. Wan 2.1 14B is 5120 wide. The Python op states
+// the same two numbers (lightning_adaptiveload/ops/_adaln.py) and checks them against these.
+constexpr int64_t ADALN_MAX_D_ANY = 4096;
 constexpr int64_t ADALN_MAX_D = 6144;
+
+// Launch choices the host code otherwise makes by rule, passed explicitly by the caller (the
+// library passes the defaults; benchmarks may force a choice). 0 means "the rule".
+struct AdalnLaunchOptions {
+  int pdl = 1;           // programmatic dependent launch on sm_90+ (0 = off)
+  int cluster = 0;       // backward thread-block clusters: 0 = rule, 1 = never, 2, 4 or 8 = always that size
+  int fwd_features = 0;  // features a thread of the streamed forward: 0 = rule, 16 or 24
+  int bwd_features = 0;  // features a thread of the streamed backward: 0 = rule, 16 or 24
+};
 
 struct AdalnFwdParams {
   const void* x;  // [B, N, D], dtype x_dtype
@@ -32,6 +45,7 @@ struct AdalnFwdParams {
   int64_t B, N, D;
   float eps;
   AdalnDtype x_dtype, mod_dtype, out_dtype;
+  AdalnLaunchOptions launch;
 };
 
 struct AdalnBwdParams {
@@ -54,9 +68,13 @@ struct AdalnBwdParams {
   int64_t B, N, D;
   bool per_token;
   AdalnDtype x_dtype, mod_dtype, out_dtype;
+  AdalnLaunchOptions launch;
 };
 
-// Whether the kernels cover this dtype combination and feature size (callers fall back otherwise).
+// Whether the kernels cover this dtype combination and feature size (callers fall back otherwise):
+// D up to ADALN_MAX_D_ANY, or up to ADALN_MAX_D when D is a multiple of 16 bytes of x. Rows wider
+// than ADALN_MAX_D_ANY also need 16-byte-aligned pointers and strides (adaln_fwd and adaln_bwd
+// return cudaErrorInvalidValue otherwise).
 bool adaln_supported(AdalnDtype x_dtype, AdalnDtype mod_dtype, AdalnDtype out_dtype, int64_t D);
 
 cudaError_t adaln_fwd(const AdalnFwdParams& p, cudaStream_t stream);

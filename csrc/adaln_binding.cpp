@@ -1,12 +1,14 @@
 // PyTorch binding of the AdaLN kernels: checks the tensors, allocates outputs and scratch through
-// the caching allocator and launches on the current stream. The Python side (ops/adaln.py) wraps
-// these functions in torch.library custom ops.
+// the caching allocator and launches on the current stream. The Python side (ops/_adaln.py) calls
+// these functions from a torch.autograd.Function in eager mode and from torch.library custom ops
+// under torch.compile.
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "adaln.h"
 
@@ -37,6 +39,24 @@ const float* opt_ptr(const std::optional<at::Tensor>& t, const char* name, int64
   return t->data_ptr<float>();
 }
 
+// The launch options as the Python side passes them: (pdl, cluster, fwd_features, bwd_features).
+AdalnLaunchOptions to_options(const std::vector<int64_t>& v) {
+  TORCH_CHECK(v.size() == 4, "adaln: launch options must be (pdl, cluster, fwd_features, bwd_features), got ",
+              v.size(), " values");
+  AdalnLaunchOptions o;
+  o.pdl = static_cast<int>(v[0]);
+  o.cluster = static_cast<int>(v[1]);
+  o.fwd_features = static_cast<int>(v[2]);
+  o.bwd_features = static_cast<int>(v[3]);
+  return o;
+}
+
+// Rows wider than ADALN_MAX_D_ANY run only on the vector paths: 16-byte-aligned start and row strides.
+bool wide_rows(const at::Tensor& t) {
+  const int64_t vec = 16 / static_cast<int64_t>(t.element_size());
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % vec == 0 && t.stride(1) % vec == 0;
+}
+
 void check(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "adaln: ", what, " failed: ", cudaGetErrorString(err));
 }
@@ -45,13 +65,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_fwd_cuda(const at::Tensor& 
                                                               const at::Tensor& shift,
                                                               const std::optional<at::Tensor>& weight,
                                                               const std::optional<at::Tensor>& bias, double eps,
-                                                              at::ScalarType out_dtype) {
+                                                              at::ScalarType out_dtype,
+                                                              const std::vector<int64_t>& launch) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 3 && x.stride(2) == 1, "adaln: `x` must be a CUDA [B, N, D] tensor with a contiguous last dimension");
   const int64_t B = x.size(0), N = x.size(1), D = x.size(2);
   check_3d(scale, "scale", B, D, x);
   check_3d(shift, "shift", B, D, x);
   TORCH_CHECK(scale.scalar_type() == shift.scalar_type(), "adaln: `scale` and `shift` must share a dtype");
   TORCH_CHECK(weight.has_value() == bias.has_value(), "adaln: pass both `weight` and `bias` or neither");
+  TORCH_CHECK(D <= ADALN_MAX_D_ANY || (wide_rows(x) && wide_rows(scale) && wide_rows(shift)), "adaln: D=", D,
+              " > ", ADALN_MAX_D_ANY, " needs 16-byte-aligned rows of x, scale and shift");
   const c10::cuda::CUDAGuard guard(x.device());
   auto y = at::empty({B, N, D}, x.options().dtype(out_dtype));
   auto mean = at::empty({B * N}, x.options().dtype(at::kFloat));
@@ -78,6 +101,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_fwd_cuda(const at::Tensor& 
   p.x_dtype = to_adaln(x.scalar_type(), "x");
   p.mod_dtype = to_adaln(scale.scalar_type(), "scale");
   p.out_dtype = to_adaln(out_dtype, "out_dtype");
+  p.launch = to_options(launch);
   TORCH_CHECK(adaln_supported(p.x_dtype, p.mod_dtype, p.out_dtype, D), "adaln: no fused kernel for x ",
               x.scalar_type(), ", scale ", scale.scalar_type(), ", output ", out_dtype, ", D=", D);
   check(adaln_fwd(p, c10::cuda::getCurrentCUDAStream()), "forward launch");
@@ -88,14 +112,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_fwd_cuda(const at::Tensor& 
 // dweight and dbias (fp32 [D]; empty without an affine).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> adaln_bwd_cuda(
     const at::Tensor& dy_in, const at::Tensor& x, const at::Tensor& scale, const std::optional<at::Tensor>& weight,
-    const std::optional<at::Tensor>& bias, const at::Tensor& mean, const at::Tensor& rstd) {
+    const std::optional<at::Tensor>& bias, const at::Tensor& mean, const at::Tensor& rstd,
+    const std::vector<int64_t>& launch) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 3 && x.stride(2) == 1, "adaln: `x` must be a CUDA [B, N, D] tensor with a contiguous last dimension");
   const int64_t B = x.size(0), N = x.size(1), D = x.size(2);
   check_3d(scale, "scale", B, D, x);
   TORCH_CHECK(dy_in.sizes() == x.sizes(), "adaln: the output gradient must be ", x.sizes(), ", got ", dy_in.sizes());
   // Autograd may hand in an expanded gradient (stride 0 everywhere, e.g. from y.sum()); the kernel
   // takes any leading strides but needs a contiguous last dimension.
-  const at::Tensor dy = dy_in.stride(2) == 1 ? dy_in : dy_in.contiguous();
+  // Rows wider than ADALN_MAX_D_ANY also need 16-byte-aligned rows (a fresh contiguous copy has them).
+  const bool keep = dy_in.stride(2) == 1 && (D <= ADALN_MAX_D_ANY || wide_rows(dy_in));
+  const at::Tensor dy = keep ? dy_in : dy_in.contiguous();
+  TORCH_CHECK(D <= ADALN_MAX_D_ANY || (wide_rows(x) && wide_rows(scale)), "adaln: D=", D, " > ", ADALN_MAX_D_ANY,
+              " needs 16-byte-aligned rows of x and scale");
   TORCH_CHECK(mean.is_contiguous() && rstd.is_contiguous() && mean.numel() == B * N && rstd.numel() == B * N,
               "adaln: `mean`/`rstd` must be contiguous [B * N]");
   const bool per_token = scale.size(1) != 1;
@@ -132,6 +161,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> adaln_bwd
   p.x_dtype = to_adaln(x.scalar_type(), "x");
   p.mod_dtype = to_adaln(scale.scalar_type(), "scale");
   p.out_dtype = to_adaln(dy.scalar_type(), "grad_output");
+  p.launch = to_options(launch);
   TORCH_CHECK(adaln_supported(p.x_dtype, p.mod_dtype, p.out_dtype, D), "adaln: no fused backward for x ",
               x.scalar_type(), ", scale ", scale.scalar_type(), ", grad ", dy.scalar_type(), ", D=", D);
   const size_t bytes = adaln_bwd_workspace_bytes(p);
@@ -148,4 +178,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwd", &adaln_fwd_cuda, "AdaLN forward: (y, mean, rstd)");
   m.def("bwd", &adaln_bwd_cuda, "AdaLN backward: (dx, dscale, dshift, dweight, dbias)");
   m.attr("max_d") = ADALN_MAX_D;
+  m.attr("max_d_any") = ADALN_MAX_D_ANY;
 }

@@ -10,7 +10,6 @@ the same parameters (the swap shares them) and wraps the fused modules.
 from __future__ import annotations
 
 import functools
-import importlib
 from collections.abc import Callable
 
 import lightning.pytorch as pl
@@ -22,6 +21,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_adaptiveload.modules.adaln import AdaLayerNorm, FusedAdaLayerNorm
+from lightning_adaptiveload.ops import adaln_build_error, load_adaln_extension
 
 _REGISTRY: dict[type[nn.Module], Callable[[nn.Module], nn.Module]] = {
     AdaLayerNorm: FusedAdaLayerNorm.from_module,
@@ -91,12 +91,9 @@ class FusedAdaLNCallback(Callback):
         device = trainer.strategy.root_device
         ok, reason = device.type == "cuda", f"the training device is {device.type}, not CUDA"
         if ok and self.build:
-            # The module, not the function `ops.adaln` that the package re-exports under its name.
-            adaln_ops = importlib.import_module("lightning_adaptiveload.ops.adaln")
-
             with torch.cuda.device(device):
-                ok = adaln_ops._load_extension() is not None
-            reason = f"the CUDA extension did not build ({adaln_ops._build_error})"
+                ok = load_adaln_extension()
+            reason = f"the CUDA extension did not build ({adaln_build_error()})"
         if not trainer.strategy.reduce_boolean_decision(ok, all=True):
             rank_zero_warn(f"FusedAdaLNCallback: not patching the model: {reason if not ok else 'another rank failed'}")
             return

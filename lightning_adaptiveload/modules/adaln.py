@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_adaptiveload.ops.adaln import adaln, adaln_ref
+from lightning_adaptiveload.ops import adaln, adaln_ref
 
 
 class AdaLayerNorm(nn.Module):

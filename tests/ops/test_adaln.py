@@ -4,15 +4,27 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
+import types
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
-from lightning_adaptiveload.ops import adaln, adaln_ref
+import lightning_adaptiveload.ops as public
+from lightning_adaptiveload.ops import (
+    ADALN_MAX_D,
+    ADALN_MAX_D_ANY,
+    AdaLNLaunchOptions,
+    adaln,
+    adaln_ref,
+    adaln_unsupported_reason,
+)
+from lightning_adaptiveload.ops import _adaln as ops  # internals: custom ops, caches, the extension slot
 
-# The module, not the function `adaln` that the package re-exports under the same name.
-ops = importlib.import_module("lightning_adaptiveload.ops.adaln")
+_ROOT = Path(__file__).resolve().parents[2]
+_LAUNCH = list(AdaLNLaunchOptions().as_args())
 
 
 def _ref64(x, scale, shift, weight=None, bias=None, eps=1e-6):
@@ -79,12 +91,81 @@ def test_reference_output_dtype_is_promoted_unless_given():
     assert adaln(x, s, h, out_dtype=torch.bfloat16).dtype == torch.bfloat16
 
 
-def test_unsupported_reasons_name_the_limit():
-    x = torch.randn(1, 2, 8)
-    assert "CUDA" in ops._unsupported_reason(x, x[:, :1], x[:, :1], None, torch.float32)
-    meta = torch.empty(1, 2, 8192, device="meta")
-    # A non-CUDA device is reported before the size; the size check itself is exercised on the GPU.
-    assert ops._unsupported_reason(meta, meta[:, :1], meta[:, :1], None, torch.float32) is not None
+def _reason(D, dtype=torch.float32, device="meta"):
+    x = torch.empty(1, 2, D, device=device, dtype=dtype)
+    return adaln_unsupported_reason(x, x[:, :1], x[:, :1])
+
+
+@pytest.mark.parametrize(
+    ("D", "dtype", "too_wide"),
+    [
+        (ADALN_MAX_D_ANY, torch.float32, False),
+        (ADALN_MAX_D_ANY + 1, torch.float32, True),  # wider than any layout and not a multiple of 4
+        (ADALN_MAX_D_ANY + 4, torch.float32, False),  # 16-byte rows: the vector paths take it
+        (ADALN_MAX_D_ANY + 4, torch.bfloat16, True),  # 8 bf16 values make 16 bytes
+        (5120, torch.bfloat16, False),  # Wan 2.1 14B
+        (ADALN_MAX_D, torch.float16, False),
+        (ADALN_MAX_D + 8, torch.bfloat16, True),
+    ],
+)
+def test_unsupported_reasons_name_the_d_limit(D, dtype, too_wide):
+    # Decided before the device, so it holds without a GPU: rows the kernels cannot hold name D,
+    # every other row width is refused here only for its device.
+    reason = _reason(D, dtype)
+    if too_wide:
+        assert reason.startswith(f"D={D} ") and str(ADALN_MAX_D_ANY) in reason and str(ADALN_MAX_D) in reason
+    else:
+        assert reason == "`x` is on meta, the fused kernel needs CUDA"
+
+
+def test_unsupported_reasons_name_dtype_and_device():
+    assert "CUDA" in _reason(8, device="cpu")
+    assert "float64" in _reason(8, dtype=torch.float64)
+    x = torch.empty(1, 2, 8, dtype=torch.bfloat16, device="meta")
+    half = x[:, :1].half()
+    assert "modulation dtype" in adaln_unsupported_reason(x, half, half)
+    assert "out_dtype torch.float16" in adaln_unsupported_reason(x, x[:, :1], x[:, :1], out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="`scale` has shape"):
+        adaln_unsupported_reason(x, x[:, :, :4], x[:, :1])
+
+
+def test_d_limits_are_the_kernels():
+    # One pair of numbers in Python (ops/_adaln.py) and in the torch-free kernel header; the loaded
+    # extension is checked against them as well.
+    header = (_ROOT / "csrc" / "adaln.h").read_text()
+    limits = dict(re.findall(r"constexpr int64_t (ADALN_MAX_D\w*) = (\d+);", header))
+    assert limits == {"ADALN_MAX_D_ANY": str(ADALN_MAX_D_ANY), "ADALN_MAX_D": str(ADALN_MAX_D)}
+
+
+def test_no_tuning_through_the_environment():
+    # Launch choices come in as AdaLNLaunchOptions; neither the kernels nor the op read (or write)
+    # environment variables.
+    for path in [*(_ROOT / "csrc").glob("*.[ch]*"), *(_ROOT / "lightning_adaptiveload" / "ops").glob("*.py")]:
+        text = path.read_text()
+        assert "getenv" not in text and "os.environ" not in text, path
+
+
+def test_ops_adaln_is_the_function_whatever_the_import():
+    importlib.import_module("lightning_adaptiveload.ops.adaln")  # the old module path still resolves
+    from lightning_adaptiveload.ops.adaln import adaln as old_path  # noqa: F401 - the import itself is the test
+
+    assert public.adaln is adaln and callable(adaln) and not isinstance(adaln, types.ModuleType)
+    assert old_path is adaln
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"pdl": 0}, "pdl=0"), ({"cluster": 3}, "cluster=3"), ({"fwd_features": 8}, "fwd_features=8"),
+     ({"bwd_features": 32}, "bwd_features=32")],
+)  # fmt: skip
+def test_launch_options_name_a_bad_value(kwargs, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        AdaLNLaunchOptions(**kwargs)
+
+
+def test_launch_options_defaults_are_the_rules():
+    assert AdaLNLaunchOptions().as_args() == (1, 0, 0, 0)
+    assert AdaLNLaunchOptions(pdl=False, cluster=8, fwd_features=16, bwd_features=24).as_args() == (0, 8, 16, 24)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -93,8 +174,11 @@ def test_unsupported_reasons_name_the_limit():
 
 
 class _EmulatedExtension:
-    @staticmethod
-    def fwd(x, scale, shift, weight, bias, eps, out_dtype):
+    def __init__(self):
+        self.calls = []  # (entry point, launch options) of every call
+
+    def fwd(self, x, scale, shift, weight, bias, eps, out_dtype, launch):
+        self.calls.append(("fwd", tuple(launch)))
         xf = x.float()
         mean = xf.mean(-1)
         rstd = torch.rsqrt(xf.var(-1, unbiased=False) + eps)
@@ -103,8 +187,8 @@ class _EmulatedExtension:
         y = xa * (1 + scale.float()) + shift.float()
         return y.to(out_dtype), mean.reshape(-1), rstd.reshape(-1)
 
-    @staticmethod
-    def bwd(dy, x, scale, weight, bias, mean, rstd):
+    def bwd(self, dy, x, scale, weight, bias, mean, rstd, launch):
+        self.calls.append(("bwd", tuple(launch)))
         B, N, D = x.shape
         g = dy.float()
         xh = (x.float() - mean.view(B, N, 1)) * rstd.view(B, N, 1)
@@ -122,8 +206,11 @@ class _EmulatedExtension:
 
 @pytest.fixture
 def emulated(monkeypatch):
-    monkeypatch.setattr(ops, "_extension", _EmulatedExtension())
+    ext = _EmulatedExtension()
+    monkeypatch.setattr(ops, "_extension", ext)
     monkeypatch.setattr(ops, "_unsupported_reason", lambda *a: None)
+    monkeypatch.setattr(ops, "_plans", {})  # plans made before the emulation said "needs CUDA"
+    return ext
 
 
 def _grads(fn, x, s, h, w, b):
@@ -159,20 +246,72 @@ def test_cpu_plumbing_gradients_match_reference(emulated, per_token, affine):
 def test_cpu_plumbing_opcheck(emulated):
     x = torch.randn(2, 3, 8)
     s, h = torch.randn(2, 1, 8), torch.randn(2, 1, 8)
-    torch.library.opcheck(ops.adaln_fwd, (x, s, h, None, None, 1e-6, torch.float32))
-    y, mean, rstd = ops.adaln_fwd(x, s, h, None, None, 1e-6, torch.float32)
-    torch.library.opcheck(ops.adaln_bwd, (torch.randn_like(y), x, s, None, None, mean, rstd))
+    torch.library.opcheck(ops.adaln_fwd, (x, s, h, None, None, 1e-6, torch.float32, _LAUNCH))
+    y, mean, rstd = ops.adaln_fwd(x, s, h, None, None, 1e-6, torch.float32, _LAUNCH)
+    torch.library.opcheck(ops.adaln_bwd, (torch.randn_like(y), x, s, None, None, mean, rstd, _LAUNCH))
+
+
+def _no_custom_ops(monkeypatch):
+    def refuse(*args):
+        raise AssertionError("the eager path went through a torch.library custom op")
+
+    monkeypatch.setattr(ops, "adaln_fwd", refuse)
+    monkeypatch.setattr(ops, "adaln_bwd", refuse)
+
+
+@pytest.mark.parametrize("options", [None, AdaLNLaunchOptions(pdl=False, cluster=1, bwd_features=16)])
+def test_cpu_eager_calls_the_extension_directly_with_the_options(emulated, monkeypatch, options):
+    _no_custom_ops(monkeypatch)
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    e = torch.randn(2, 6, 8, requires_grad=True)
+    ch = e.chunk(6, dim=1)
+    y = adaln(x, ch[1], ch[0], options=options)
+    y.square().sum().backward()
+    launch = (options or AdaLNLaunchOptions()).as_args()
+    assert emulated.calls == [("fwd", launch), ("bwd", launch)]
+    y_ref = adaln_ref(x, ch[1], ch[0])
+    g_ref = torch.autograd.grad(y_ref.square().sum(), (x, e))
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(x.grad, g_ref[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(e.grad, g_ref[1], atol=1e-5, rtol=1e-5)
+    assert e.grad[:, 2:].abs().max() == 0
+
+
+def test_cpu_eager_without_grad_runs_only_the_forward(emulated, monkeypatch):
+    _no_custom_ops(monkeypatch)
+    x, s, h = torch.randn(2, 3, 8), torch.randn(2, 8, requires_grad=True), torch.randn(2, 8)
+    with torch.no_grad():
+        y = adaln(x, s, h)
+    assert y.grad_fn is None and emulated.calls == [("fwd", (1, 0, 0, 0))]
+    torch.testing.assert_close(y, adaln_ref(x, s, h), atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_eager_plan_is_kept_per_input_signature(emulated):
+    x, s, h = torch.randn(2, 3, 8), torch.randn(2, 8), torch.randn(2, 8)
+    adaln(x, s, h)
+    adaln(torch.randn(2, 3, 8), torch.randn(2, 8), torch.randn(2, 8))
+    assert len(ops._plans) == 1
+    y = adaln(x[:1], s[:1], h[:1, None])  # another signature: checked and planned anew
+    assert len(ops._plans) == 2 and y.shape == (1, 3, 8)
+    with pytest.raises(ValueError, match="`scale` has shape"):
+        adaln(x, s[:, :4], h)  # a cached plan never skips the checks of a new signature
 
 
 def test_cpu_plumbing_compiles_fullgraph(emulated):
     torch._dynamo.reset()
     x = torch.randn(2, 3, 8, requires_grad=True)
     s, h = torch.randn(2, 8, requires_grad=True), torch.randn(2, 8)
-    fn = torch.compile(lambda x, s, h: adaln(x, s, h).square().sum(), fullgraph=True, backend="aot_eager")
+    options = AdaLNLaunchOptions(cluster=2)
+    fn = torch.compile(
+        lambda x, s, h: adaln(x, s, h, options=options).square().sum(), fullgraph=True, backend="aot_eager"
+    )
     out = fn(x, s, h)
     out.backward()
     torch.testing.assert_close(out, adaln_ref(x, s, h).square().sum())
     assert x.grad is not None and s.grad is not None
+    # Traced through the custom ops (the eager autograd.Function is invisible to the compiler),
+    # with the launch options as constants.
+    assert {c for c in emulated.calls} == {("fwd", (1, 2, 0, 0)), ("bwd", (1, 2, 0, 0))}
 
 
 @pytest.mark.parametrize("mod", ["sample", "chunk", "token"])
@@ -232,7 +371,7 @@ def _check_fused(
 @pytest.mark.parametrize(("dtype", "tol"), DTYPES)
 @pytest.mark.parametrize(("B", "N", "D"), [(1, 1, 1023), (3, 7, 256), (2, 7, 64), (2, 7, 1000), (1, 7, 5121)])
 def test_fused_odd_shapes(B, N, D, dtype, tol):
-    if D > ops._MAX_D_ANY:
+    if D > ADALN_MAX_D_ANY:
         x = torch.randn(B, N, D, device="cuda", dtype=dtype)
         assert "D=" in ops._unsupported_reason(x, x[:, :1], x[:, :1], None, ops._out_dtype(x, x, x))
         return
@@ -312,7 +451,7 @@ def test_fused_statistics_of_offset_rows_and_outlier_features(dtype, D):
     x[..., ::97] = 1000 * torch.randn(2, 4001, (D + 96) // 97, device="cuda", generator=g)
     x = x.to(dtype)
     s, h = (torch.randn(2, 1, D, device="cuda", generator=g) * 0.5 for _ in range(2))
-    y, mean, rstd = ops.adaln_fwd(x, s, h, None, None, 1e-6, torch.float32)
+    y, mean, rstd = ops.adaln_fwd(x, s, h, None, None, 1e-6, torch.float32, _LAUNCH)
     x64 = x.double()
     mean64 = x64.mean(-1)
     rstd64 = (x64.var(-1, unbiased=False) + 1e-6).rsqrt()
@@ -341,7 +480,7 @@ def test_fused_statistics_when_row_means_jump(dtype, B, N, D):
     x64[:, 100:105] = 3.25  # constant rows: variance 0 wherever the pivot was
     x = x64.to(dtype)
     s, h = (torch.randn(B, 1, D, device="cuda", generator=g) * 0.5 for _ in range(2))
-    y, mean, rstd = ops.adaln_fwd(x, s, h, None, None, 1e-6, torch.float32)
+    y, mean, rstd = ops.adaln_fwd(x, s, h, None, None, 1e-6, torch.float32, _LAUNCH)
     x64 = x.double()
     mean64 = x64.mean(-1).flatten()
     rstd64 = (x64.var(-1, unbiased=False) + 1e-6).rsqrt().flatten()
@@ -373,44 +512,45 @@ def test_fused_backward_launches_no_zero_fills():
     assert not [k for k in kernels if "Fill" in k], kernels
 
 
-_CLUSTER_SCRIPT = """
-import sys, torch
-from lightning_adaptiveload.ops import adaln
-g = torch.Generator(device="cuda").manual_seed(1)
-x = torch.randn(4, 1560, 1536, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
-e = (torch.randn(4, 6, 1536, device="cuda", generator=g) * 0.5).requires_grad_()
-gy = torch.randn(4, 1560, 1536, device="cuda", generator=g, dtype=torch.bfloat16)
-ch = e.chunk(6, dim=1)
-gx, ge = torch.autograd.grad(adaln(x, ch[1], ch[0], out_dtype=torch.bfloat16), (x, e), gy)
-torch.save({"gx": gx.cpu(), "ge": ge.cpu()}, sys.argv[1])
-"""
+@pytest.mark.cuda
+def test_fused_backward_clusters_and_plain_ctas_agree():
+    # cluster=1 turns off the cluster reduction of the column partials: dx must not change at all
+    # and dscale/dshift only by fp32 summation order.
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(4, 1560, 1536, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+    e = (torch.randn(4, 6, 1536, device="cuda", generator=g) * 0.5).requires_grad_()
+    gy = torch.randn(4, 1560, 1536, device="cuda", generator=g, dtype=torch.bfloat16)
+    out = {}
+    for cluster in (1, 8):
+        ch = e.chunk(6, dim=1)
+        y = adaln(x, ch[1], ch[0], out_dtype=torch.bfloat16, options=AdaLNLaunchOptions(cluster=cluster))
+        out[cluster] = torch.autograd.grad(y, (x, e), gy)
+    assert torch.equal(out[1][0], out[8][0])
+    assert _rel(out[8][1], out[1][1]) < 1e-6
+    assert out[8][1][:, 2:].abs().max() == 0 and out[8][1][:, :2].abs().min() > 0
 
 
 @pytest.mark.cuda
-def test_fused_backward_clusters_and_plain_ctas_agree(tmp_path):
-    # ADALN_CLUSTER=1 turns off the cluster reduction of the column partials: dx must not change at
-    # all and dscale/dshift only by fp32 summation order.
-    import subprocess
-    import sys
-
-    out = {}
-    for cluster in ("1", "8"):
-        path = tmp_path / f"c{cluster}.pt"
-        env = {**os.environ, "ADALN_CLUSTER": cluster}
-        subprocess.run([sys.executable, "-c", _CLUSTER_SCRIPT, str(path)], check=True, env=env, timeout=600)
-        out[cluster] = torch.load(path)
-    assert torch.equal(out["1"]["gx"], out["8"]["gx"])
-    assert _rel(out["8"]["ge"], out["1"]["ge"]) < 1e-6
-    assert out["8"]["ge"][:, 2:].abs().max() == 0 and out["8"]["ge"][:, :2].abs().min() > 0
+@pytest.mark.parametrize("options", [AdaLNLaunchOptions(pdl=False), AdaLNLaunchOptions(fwd_features=16, bwd_features=16),
+                                     AdaLNLaunchOptions(fwd_features=24, bwd_features=24)])  # fmt: skip
+def test_fused_launch_options_compute_the_same_function(options):
+    x, s, h, _, _ = _make(2, 1999, 1536, torch.float32, "chunk", torch.float32, False)
+    x.requires_grad_()
+    gy = torch.randn(2, 1999, 1536, device="cuda")
+    y = adaln(x, s, h)
+    (gx,) = torch.autograd.grad(y, x, gy)
+    y_o = adaln(x, s, h, options=options)
+    (gx_o,) = torch.autograd.grad(y_o, x, gy)
+    assert _rel(y_o, y) < 1e-6 and _rel(gx_o, gx) < 1e-6
 
 
 @pytest.mark.cuda
 def test_fused_opcheck():
     x, s, h, w, b = _make(2, 7, 256, torch.bfloat16, "sample", torch.float32, True)
     s, h = s[:, None], h[:, None]
-    torch.library.opcheck(ops.adaln_fwd, (x, s, h, w, b, 1e-6, torch.float32))
-    y, mean, rstd = ops.adaln_fwd(x, s, h, w, b, 1e-6, torch.float32)
-    torch.library.opcheck(ops.adaln_bwd, (torch.randn_like(y), x, s, w, b, mean, rstd))
+    torch.library.opcheck(ops.adaln_fwd, (x, s, h, w, b, 1e-6, torch.float32, _LAUNCH))
+    y, mean, rstd = ops.adaln_fwd(x, s, h, w, b, 1e-6, torch.float32, _LAUNCH)
+    torch.library.opcheck(ops.adaln_bwd, (torch.randn_like(y), x, s, w, b, mean, rstd, _LAUNCH))
 
 
 @pytest.mark.cuda
