@@ -1,0 +1,485 @@
+"""Indexed tar shards of encoded samples: the writer, the shape index and :class:`ShardedLatentDataset`.
+
+Layout (what ``adaptiveload-prepare`` writes)::
+
+    out/
+      shards/shard-000000.tar   <key>.latents.npy  [C, F, H, W]  (float16 or float32)
+                                <key>.context.npy  [L, D] text-encoder output, L = caption tokens
+                                <key>.meta.json    source, caption, sizes, bucket, encoders
+      index.parquet             one row per sample, see INDEX_COLUMNS
+      summary.json              per-bucket samples and tokens, skipped inputs by reason
+
+The tars are plain (uncompressed) POSIX tars, so WebDataset and ``tar -x`` read them as they are.
+The index stores where each member's bytes start inside its tar, so a sample is one ranged read
+(latents and context are adjacent members: one read covers both) and no tar is ever scanned.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import tarfile
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from torch.utils.data import Dataset
+
+from lightning_adaptiveload.data.media import CorruptSampleError
+
+log = logging.getLogger(__name__)
+
+INDEX_VERSION = 1
+# Column → arrow type. Offsets are of the member's data (past its tar header), in bytes.
+INDEX_COLUMNS: dict[str, pa.DataType] = {
+    "shard": pa.string(),  # tar path relative to the index's folder
+    "shard_id": pa.int32(),  # position of `shard` in the index metadata's "shards" list
+    "key": pa.string(),
+    "latents_offset": pa.int64(),
+    "latents_size": pa.int64(),
+    "context_offset": pa.int64(),
+    "context_size": pa.int64(),
+    "meta_offset": pa.int64(),
+    "meta_size": pa.int64(),
+    "channels": pa.int32(),
+    "latent_f": pa.int32(),
+    "latent_h": pa.int32(),
+    "latent_w": pa.int32(),
+    "grid_f": pa.int32(),
+    "grid_h": pa.int32(),
+    "grid_w": pa.int32(),
+    "seq_len": pa.int64(),
+    "context_len": pa.int32(),
+    "caption_hash": pa.string(),  # blake2b-64 hex of the caption as encoded
+    "source": pa.string(),
+}
+INDEX_SCHEMA = pa.schema([pa.field(k, v) for k, v in INDEX_COLUMNS.items()])
+_MEMBERS = ("latents", "context", "meta")
+_MODES = ("error", "skip")
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temp file in the same folder and ``os.replace``."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; shards and indexes are meant to be shared
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
+    return buf.getvalue()
+
+
+def _parse_npy(data: bytes | memoryview, where: str) -> np.ndarray:
+    """``.npy`` bytes → array without copying the payload (header parsed by numpy's own reader)."""
+    buf = io.BytesIO(data)
+    try:
+        version = np.lib.format.read_magic(buf)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = read_header(buf)
+    except (ValueError, OSError) as err:
+        raise CorruptSampleError(f"{where}: not a valid .npy member ({err})") from err
+    count = int(np.prod(shape)) if shape else 1
+    start = buf.tell()
+    if len(data) - start < count * dtype.itemsize:
+        raise CorruptSampleError(
+            f"{where}: .npy member holds {len(data) - start} payload bytes, its header says {shape} {dtype}"
+        )
+    array = np.frombuffer(data, dtype=dtype, count=count, offset=start)
+    return array.reshape(shape, order="F" if fortran else "C")
+
+
+class ShardWriter:
+    """Writes one tar shard through a temp file; :meth:`close` moves it into place with ``os.replace``.
+
+    A crash leaves only a ``.tmp`` file behind, never a truncated shard under the real name.
+
+    Args:
+        path: the shard's final path (``.tar``).
+
+    Example::
+
+        with ShardWriter("shards/shard-000000.tar") as w:
+            where = w.add("000000001", latents, context, {"caption": "a cat"})
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, self._tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        os.chmod(self._tmp, 0o644)
+        self._fh = os.fdopen(fd, "wb")
+        self._tar = tarfile.open(fileobj=self._fh, mode="w", format=tarfile.USTAR_FORMAT)
+        self.num_samples = 0
+
+    def _member(self, name: str, data: bytes) -> tuple[int, int]:
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        info.mode = 0o644
+        before = self._tar.offset
+        self._tar.addfile(info, io.BytesIO(data))
+        padded = -(-len(data) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+        header = self._tar.offset - before - padded
+        return before + header, len(data)
+
+    def add(self, key: str, latents: np.ndarray, context: np.ndarray, meta: Mapping[str, Any]) -> dict[str, int]:
+        """Append one sample; returns ``{"latents_offset", "latents_size", ...}`` for the index."""
+        if "." in key or "/" in key:
+            raise ValueError(f"`ShardWriter.add(key={key!r})`: a WebDataset key has no '.' or '/'.")
+        where: dict[str, int] = {}
+        payloads = (npy_bytes(latents), npy_bytes(context), json.dumps(dict(meta), sort_keys=True).encode())
+        for member, data in zip(_MEMBERS, payloads, strict=True):
+            suffix = "json" if member == "meta" else "npy"
+            where[f"{member}_offset"], where[f"{member}_size"] = self._member(f"{key}.{member}.{suffix}", data)
+        self.num_samples += 1
+        return where
+
+    def close(self) -> int:
+        """Finish the tar, fsync it and move it to :attr:`path`; returns its size in bytes."""
+        self._tar.close()
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._fh.close()
+        os.replace(self._tmp, self.path)
+        return self.path.stat().st_size
+
+    def abort(self) -> None:
+        """Drop the temp file (after an error)."""
+        try:
+            self._tar.close()
+            self._fh.close()
+        finally:
+            if os.path.exists(self._tmp):
+                os.unlink(self._tmp)
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def write_index(path: str | os.PathLike, table: pa.Table, metadata: Mapping[str, Any]) -> None:
+    """Write the shape index atomically; ``metadata`` (JSON-able) goes into the Parquet schema metadata."""
+    table = table.select(list(INDEX_COLUMNS)).cast(INDEX_SCHEMA)
+    table = table.replace_schema_metadata({b"adaptiveload": json.dumps({"version": INDEX_VERSION, **metadata})})
+    buf = pa.BufferOutputStream()
+    pq.write_table(table, buf, row_group_size=1 << 20)
+    atomic_write_bytes(path, buf.getvalue().to_pybytes())
+
+
+def read_index_metadata(path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> dict:
+    """The index's ``adaptiveload`` metadata (shards list, text_len, dtype, encoders ...)."""
+    with _open(str(path), storage_options) as fh:
+        raw = (pq.read_schema(fh).metadata or {}).get(b"adaptiveload")
+    if raw is None:
+        raise ValueError(f"{path} is a Parquet file without `adaptiveload` metadata; expected an index written "
+                         "by `adaptiveload-prepare`.")  # fmt: skip
+    meta = json.loads(raw)
+    if meta.get("version") != INDEX_VERSION:
+        raise ValueError(f"{path}: index version {meta.get('version')!r}; this package reads {INDEX_VERSION}.")
+    return meta
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+def _open(path: str, storage_options: Mapping[str, Any] | None):
+    if _is_url(path):
+        import fsspec
+
+        return fsspec.open(path, "rb", **(storage_options or {})).open()
+    return open(path.removeprefix("file://"), "rb")
+
+
+def _join(base: str, relative: str) -> str:
+    if _is_url(base):
+        return base.rstrip("/") + "/" + relative
+    return os.path.join(base.removeprefix("file://"), relative)
+
+
+def _size(path: str, storage_options: Mapping[str, Any] | None) -> int | None:
+    try:
+        if _is_url(path):
+            import fsspec
+
+            fs, inner = fsspec.core.url_to_fs(path, **(storage_options or {}))
+            return int(fs.size(inner))
+        return os.stat(path).st_size
+    except (OSError, FileNotFoundError):
+        return None
+
+
+@dataclass
+class ShardReport:
+    """What opening an index found.
+
+    Attributes:
+        index: the index path.
+        num_rows: rows in the index.
+        num_valid: rows kept.
+        bad_shards: shard → reason, for shards that are missing or shorter than their rows need.
+        skipped_rows: rows dropped with those shards (``on_bad_shard="skip"``).
+    """
+
+    index: str
+    num_rows: int = 0
+    num_valid: int = 0
+    bad_shards: dict[str, str] = field(default_factory=dict)
+    skipped_rows: int = 0
+
+    def __str__(self) -> str:
+        lines = [f"{self.index}: {self.num_valid} of {self.num_rows} samples readable"]
+        lines += [f"  {shard}: {reason}" for shard, reason in self.bad_shards.items()]
+        return "\n".join(lines)
+
+
+_READ_COLUMNS = ("shard_id", "latents_offset", "latents_size", "context_offset", "context_size",
+                 "meta_offset", "meta_size", "grid_f", "grid_h", "grid_w")  # fmt: skip
+
+
+class ShardedLatentDataset(Dataset):
+    """Random access into ``adaptiveload-prepare`` shards through their shape index.
+
+    ``token_grids()`` comes straight from the index (no shard is opened); ``__getitem__`` reads one
+    byte range of one tar (latents and context are adjacent members) and returns the same dict as
+    :class:`~lightning_adaptiveload.data.manifest.ManifestDataset`: ``latents`` ``[C, F, H, W]``,
+    ``context`` ``[text_len, D]`` (the stored caption tokens, zero-padded as Wan pads umT5 outputs)
+    and ``index``. Files are opened lazily, once per process, so DataLoader workers each hold their
+    own handles.
+
+    Shards may live on a local path or behind an fsspec URL (``s3://...``, ``gs://...``, needs
+    ``fsspec`` and the filesystem's package); with ``cache_dir`` each remote shard is copied once
+    (temp file + ``os.replace``) and then read locally.
+
+    Args:
+        path: the ``index.parquet`` written by ``adaptiveload-prepare`` (local path or URL).
+        text_len: context length L the model expects (Wan 2.1: 512); ``None``: the tokenizer length
+            the corpus was prepared with. Stored contexts longer than this raise.
+        text_dim: expected context width D (checked against the index); ``None``: the stored one.
+        dtype: dtype of the returned tensors (stored as float16 or float32).
+        check_shards: at construction, check that every shard exists and is long enough for the rows
+            that point into it (one size lookup per shard).
+        on_bad_shard: ``"error"`` (default): raise naming the shard; ``"skip"``: drop its rows and
+            count them in :attr:`report`.
+        cache_dir: local folder for copies of remote shards.
+        storage_options: passed to ``fsspec.open`` for URLs.
+
+    Raises:
+        ValueError: an index that is not one, a ``text_dim`` that disagrees with it, or a missing /
+            truncated shard with ``on_bad_shard="error"``.
+
+    Example::
+
+        ds = ShardedLatentDataset("/data/wan480p/index.parquet", text_len=512)
+        dm = AdaptiveLoadDataModule(ds, policy, num_workers=8)
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        text_len: int | None = None,
+        text_dim: int | None = None,
+        dtype: str | torch.dtype = torch.float32,
+        check_shards: bool = True,
+        on_bad_shard: str = "error",
+        cache_dir: str | os.PathLike | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        cls = type(self).__name__
+        if on_bad_shard not in _MODES:
+            raise ValueError(f"`{cls}(on_bad_shard={on_bad_shard!r})` is not valid. Expected one of {_MODES}.")
+        self.path = str(path)
+        self.storage_options = dict(storage_options or {})
+        self.cache_dir = None if cache_dir is None else Path(cache_dir)
+        self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        meta = read_index_metadata(self.path, self.storage_options)
+        self.metadata = meta
+        stored_dim = int(meta["text_dim"])
+        if text_dim is not None and int(text_dim) != stored_dim:
+            raise ValueError(
+                f"`{cls}(text_dim={text_dim})` disagrees with {self.path}, whose contexts are {stored_dim} wide "
+                "(the text encoder's width). Use a model with that text_dim or re-prepare the corpus."
+            )
+        self.text_dim = stored_dim
+        self.text_len = int(text_len if text_len is not None else meta["text_len"])
+        base = self.path.rsplit("/", 1)[0] if _is_url(self.path) else str(Path(self.path).parent)
+        self._shards = [_join(base, s) for s in meta["shards"]]
+        with _open(self.path, self.storage_options) as fh:
+            table = pq.read_table(fh, columns=list(_READ_COLUMNS))
+        cols = {name: table.column(name).to_numpy() for name in _READ_COLUMNS}
+        self.report = ShardReport(self.path, num_rows=table.num_rows)
+        keep = np.ones(table.num_rows, dtype=bool)
+        if check_shards:
+            keep = self._check_shards(cols, on_bad_shard)
+        rows = np.flatnonzero(keep) if not keep.all() else None
+        pick = (lambda a: a[rows]) if rows is not None else (lambda a: a)
+        self._rows = rows  # dataset index → index row (None: identity)
+        self._shard_id = pick(cols["shard_id"]).astype(np.int32)
+        self._start = pick(cols["latents_offset"]).astype(np.int64)
+        self._latents_size = pick(cols["latents_size"]).astype(np.int64)
+        self._context_start = pick(cols["context_offset"] - cols["latents_offset"]).astype(np.int64)
+        self._context_size = pick(cols["context_size"]).astype(np.int64)
+        self._grids = np.stack([pick(cols["grid_f"]), pick(cols["grid_h"]), pick(cols["grid_w"])], 1).astype(np.int32)
+        self.report.num_valid = len(self._start)
+        if self.report.num_valid == 0:
+            raise ValueError(f"{self.path}: no readable samples.\n{self.report}")
+        self._files: dict[int, Any] = {}
+        self._pid = os.getpid()
+        self._keys: pa.ChunkedArray | None = None
+
+    def _check_shards(self, cols: dict[str, np.ndarray], on_bad_shard: str) -> np.ndarray:
+        sid = cols["shard_id"]
+        end = np.maximum(cols["meta_offset"] + cols["meta_size"], cols["context_offset"] + cols["context_size"])
+        need = np.zeros(len(self._shards), dtype=np.int64)
+        np.maximum.at(need, sid, end)
+        last_row = np.zeros(len(self._shards), dtype=np.int64)
+        np.maximum.at(last_row, sid, np.arange(len(sid)))
+        bad = np.zeros(len(self._shards), dtype=bool)
+        for s in np.unique(sid).tolist():
+            size = self._shard_size(s)
+            if size is None:
+                reason = "missing"
+            elif size < need[s]:
+                reason = (f"truncated: {size} bytes, but index row {int(last_row[s])} (or another) points to byte "
+                          f"{int(need[s])}")  # fmt: skip
+            else:
+                continue
+            bad[s] = True
+            self.report.bad_shards[self._shards[s]] = reason
+        if not bad.any():
+            return np.ones(len(sid), dtype=bool)
+        keep = ~bad[sid]
+        self.report.skipped_rows = int((~keep).sum())
+        if on_bad_shard == "error":
+            first = next(iter(self.report.bad_shards.items()))
+            raise ValueError(
+                f"shard {first[0]} is {first[1]} ({len(self.report.bad_shards)} bad shard(s), "
+                f"{self.report.skipped_rows} index rows affected). Re-run `adaptiveload-prepare` on the same output "
+                "folder to rebuild it, or pass `on_bad_shard='skip'` to train without those samples."
+            )
+        log.warning("%s", self.report)
+        return keep
+
+    def _shard_size(self, s: int) -> int | None:
+        local = self._cached(s) if self.cache_dir is not None and _is_url(self._shards[s]) else None
+        return _size(local or self._shards[s], self.storage_options)
+
+    def __len__(self) -> int:
+        return len(self._start)
+
+    def token_grids(self) -> np.ndarray:
+        """Per-sample token grid (f, h, w), int64 ``[N, 3]``, from the index alone."""
+        return self._grids.astype(np.int64)
+
+    def key(self, index: int) -> str:
+        """The sample's key in its shard (read from the index on first use)."""
+        if self._keys is None:
+            with _open(self.path, self.storage_options) as fh:
+                self._keys = pq.read_table(fh, columns=["key"]).column("key")
+        row = index if self._rows is None else int(self._rows[index])
+        return self._keys[row].as_py()
+
+    def _cached(self, s: int) -> str:
+        url = self._shards[s]
+        local = self.cache_dir / url.split("://", 1)[1].lstrip("/")
+        if not local.exists():
+            import fsspec
+
+            local.parent.mkdir(parents=True, exist_ok=True)
+            with fsspec.open(url, "rb", **self.storage_options) as src:
+                atomic_write_bytes(local, src.read())
+        return str(local)
+
+    def _file(self, s: int):
+        if self._pid != os.getpid():  # a forked DataLoader worker: never share the parent's handles
+            self._files, self._pid = {}, os.getpid()
+        fh = self._files.get(s)
+        if fh is None:
+            url = self._shards[s]
+            if self.cache_dir is not None and _is_url(url):
+                url = self._cached(s)
+            fh = self._files[s] = _open(url, self.storage_options)
+        return fh
+
+    def _read(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        s = int(self._shard_id[index])
+        start = int(self._start[index])
+        length = int(self._context_start[index] + self._context_size[index])
+        fh = self._file(s)
+        fh.seek(start)
+        data = bytearray(length)  # writable, so the tensors made from it are too
+        got = fh.readinto(data)
+        where = f"shard {self._shards[s]}, sample {self.key(index)!r} (bytes {start}..{start + length})"
+        if got < length:
+            raise CorruptSampleError(
+                f"{where}: only {got} of {length} bytes could be read; the shard is truncated. Re-run "
+                "`adaptiveload-prepare` on the same output folder to rebuild it."
+            )
+        view = memoryview(data)
+        latents = _parse_npy(view[: int(self._latents_size[index])], f"{where}, latents")
+        c0 = int(self._context_start[index])
+        context = _parse_npy(view[c0 : c0 + int(self._context_size[index])], f"{where}, context")
+        return latents, context
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index < len(self):
+            raise IndexError(f"Index {index!r} is out of range for a dataset of {len(self)} samples.")
+        index = int(index)
+        latents, context = self._read(index)
+        if context.ndim != 2 or context.shape[1] != self.text_dim or context.shape[0] > self.text_len:
+            raise CorruptSampleError(
+                f"shard {self._shards[int(self._shard_id[index])]}, sample {self.key(index)!r}: context of shape "
+                f"{list(context.shape)}; expected [L <= text_len={self.text_len}, {self.text_dim}]"
+            )
+        padded = torch.zeros(self.text_len, self.text_dim, dtype=self.dtype)
+        padded[: context.shape[0]] = torch.from_numpy(context)
+        return {"latents": torch.from_numpy(latents).to(self.dtype), "context": padded, "index": index}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_files"] = {}
+        return state
+
+    def __del__(self) -> None:
+        for fh in getattr(self, "_files", {}).values():
+            try:
+                fh.close()
+            except Exception:  # noqa: BLE001 - closing at interpreter exit may fail; nothing to do
+                pass
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.path!r}, samples={len(self)}, shards={len(self._shards)}, "
+            f"text_len={self.text_len}, text_dim={self.text_dim})"
+        )
+
+
+def index_rows_to_table(rows: Sequence[Mapping[str, Any]]) -> pa.Table:
+    """Rows (dicts with every INDEX_COLUMNS key but ``shard_id``) → an index table (shard_id filled later)."""
+    columns = {k: [r.get(k, 0 if k == "shard_id" else None) for r in rows] for k in INDEX_COLUMNS}
+    return pa.table({k: pa.array(v, type=INDEX_COLUMNS[k]) for k, v in columns.items()})

@@ -1,0 +1,152 @@
+"""The Wan 2.1 VAE and umT5 text encoder, as ``adaptiveload-prepare`` calls them.
+
+Both wrap the real implementations (``diffusers.AutoencoderKLWan``,
+``transformers.UMT5EncoderModel``) and reproduce what Wan 2.1 feeds its DiT:
+
+* latents are the posterior mean, normalised per channel with the VAE config's ``latents_mean`` /
+  ``latents_std`` (``(mu - mean) / std``; Wan's pipelines undo exactly this before decoding);
+* text context is the encoder's last hidden state at the caption's tokens only (padding dropped;
+  the dataset zero-pads to ``text_len`` at load time, as Wan pads umT5 outputs). Captions are
+  tokenised with truncation to ``text_len`` tokens and the tokenizer's special tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+
+import torch
+
+
+def caption_hash(caption: str) -> str:
+    """blake2b-64 hex of a caption (what the index stores to find duplicates without the text)."""
+    return hashlib.blake2b(caption.encode("utf-8"), digest_size=8).hexdigest()
+
+
+def clean_caption(caption: str) -> str:
+    """Collapse whitespace runs and strip (Wan's pipelines also fix mojibake with ftfy; we do not)."""
+    return re.sub(r"\s+", " ", caption).strip()
+
+
+class WanVaeEncoder:
+    """``pixels [B, 3, F, H, W]`` in [-1, 1] → normalised Wan latents ``[B, z_dim, 1 + (F-1)//4, H/8, W/8]``.
+
+    Args:
+        vae: an ``AutoencoderKLWan`` (already on its device and dtype).
+
+    Example::
+
+        enc = WanVaeEncoder.load("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", device="cuda", dtype=torch.bfloat16)
+        latents = enc(pixels)
+    """
+
+    def __init__(self, vae: torch.nn.Module) -> None:
+        self.vae = vae.eval().requires_grad_(False)
+        config = vae.config
+        self.z_dim = int(config.z_dim)
+        self.mean = torch.tensor(config.latents_mean, dtype=torch.float32).view(1, -1, 1, 1, 1)
+        self.std = torch.tensor(config.latents_std, dtype=torch.float32).view(1, -1, 1, 1, 1)
+        if self.mean.shape[1] != self.z_dim or self.std.shape[1] != self.z_dim:
+            raise ValueError(
+                f"VAE config has z_dim={self.z_dim} but {self.mean.shape[1]} latents_mean / {self.std.shape[1]} "
+                "latents_std values; expected one per latent channel."
+            )
+
+    @classmethod
+    def load(
+        cls, name_or_path: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ) -> WanVaeEncoder:
+        """Load from a local folder or hub id (a Diffusers repo's ``vae`` subfolder is found by itself)."""
+        from diffusers import AutoencoderKLWan
+
+        try:
+            vae = AutoencoderKLWan.from_pretrained(name_or_path, torch_dtype=dtype)
+        except OSError as first:
+            try:
+                vae = AutoencoderKLWan.from_pretrained(name_or_path, subfolder="vae", torch_dtype=dtype)
+            except OSError:
+                raise first from None
+        return cls(vae.to(device))
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.vae.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.vae.parameters()).dtype
+
+    @torch.no_grad()
+    def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
+        x = pixels.to(self.device, self.dtype, non_blocking=True)
+        mu = self.vae.encode(x).latent_dist.mode().float()
+        return (mu - self.mean.to(mu.device)) / self.std.to(mu.device)
+
+
+class UMT5TextEncoder:
+    """Captions → one ``[L_i, d_model]`` context per caption (L_i = its tokens, at most ``text_len``).
+
+    Args:
+        model: a ``UMT5EncoderModel`` (or any encoder returning ``last_hidden_state``).
+        tokenizer: its tokenizer.
+        text_len: truncation length (Wan 2.1: 512).
+
+    Example::
+
+        enc = UMT5TextEncoder.load("google/umt5-xxl", "google/umt5-xxl", device="cuda", dtype=torch.bfloat16)
+        contexts = enc(["a cat on a sofa"])  # [tensor[L, 4096]]
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer, text_len: int = 512) -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.text_len = int(text_len)
+        self.dim = int(model.config.d_model)
+
+    @classmethod
+    def load(
+        cls,
+        model_path: str,
+        tokenizer_path: str | None = None,
+        *,
+        text_len: int = 512,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> UMT5TextEncoder:
+        """Load from local folders or hub ids (a Diffusers repo's ``text_encoder`` / ``tokenizer`` too)."""
+        from transformers import AutoTokenizer, UMT5EncoderModel
+
+        def _load(loader, path: str, sub: str, **kw):
+            try:
+                return loader(path, **kw)
+            except (OSError, ValueError) as first:
+                try:
+                    return loader(path, subfolder=sub, **kw)
+                except (OSError, ValueError):
+                    raise first from None
+
+        model = _load(UMT5EncoderModel.from_pretrained, model_path, "text_encoder", dtype=dtype)
+        tokenizer = _load(AutoTokenizer.from_pretrained, tokenizer_path or model_path, "tokenizer")
+        return cls(model.to(device), tokenizer, text_len)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @torch.no_grad()
+    def __call__(self, captions: Sequence[str]) -> list[torch.Tensor]:
+        tokens = self.tokenizer(
+            [clean_caption(c) for c in captions],
+            padding="longest",
+            max_length=self.text_len,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        ids = tokens.input_ids.to(self.device)
+        mask = tokens.attention_mask.to(self.device)
+        hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
+        lengths = mask.sum(dim=1).tolist()
+        return [h[: int(n)] for h, n in zip(hidden, lengths, strict=True)]
