@@ -357,16 +357,14 @@ class ShardedLatentDataset(Dataset):
         end = np.maximum(cols["meta_offset"] + cols["meta_size"], cols["context_offset"] + cols["context_size"])
         need = np.zeros(len(self._shards), dtype=np.int64)
         np.maximum.at(need, sid, end)
-        last_row = np.zeros(len(self._shards), dtype=np.int64)
-        np.maximum.at(last_row, sid, np.arange(len(sid)))
         bad = np.zeros(len(self._shards), dtype=bool)
         for s in np.unique(sid).tolist():
             size = self._shard_size(s)
             if size is None:
                 reason = "missing"
             elif size < need[s]:
-                reason = (f"truncated: {size} bytes, but index row {int(last_row[s])} (or another) points to byte "
-                          f"{int(need[s])}")  # fmt: skip
+                row = int(np.flatnonzero((sid == s) & (end > size))[0])
+                reason = f"truncated: {size} bytes, but index row {row} points to byte {int(end[row])}"
             else:
                 continue
             bad[s] = True

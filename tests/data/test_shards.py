@@ -1,0 +1,206 @@
+"""ShardedLatentDataset over shards written with ShardWriter: random access, bad shards, fsspec, DataModule resume."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_adaptiveload.bucketing.policy import DualConstraintPolicy
+from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+from lightning_adaptiveload.data.media import CorruptSampleError
+from lightning_adaptiveload.data.shards import (
+    ShardedLatentDataset,
+    ShardWriter,
+    index_rows_to_table,
+    read_index_metadata,
+    write_index,
+)
+
+GRIDS = [(1, 2, 2), (3, 2, 3), (2, 3, 3)]
+TEXT_LEN, TEXT_DIM = 6, 8
+
+
+def _sample(i: int) -> tuple[tuple[int, int, int], np.ndarray, np.ndarray]:
+    grid = GRIDS[i % len(GRIDS)]
+    latents = np.full((4, grid[0], 2 * grid[1], 2 * grid[2]), i, dtype=np.float16)
+    context = np.full((1 + i % TEXT_LEN, TEXT_DIM), -i, dtype=np.float16)
+    return grid, latents, context
+
+
+def write_corpus(root: Path, n: int = 24, per_shard: int = 10) -> Path:
+    """n samples in ceil(n / per_shard) shards + index.parquet, as adaptiveload-prepare lays them out."""
+    rows, shards = [], []
+    for start in range(0, n, per_shard):
+        name = f"shards/shard-{start // per_shard:06d}.tar"
+        shards.append(name)
+        with ShardWriter(root / name) as writer:
+            for i in range(start, min(n, start + per_shard)):
+                grid, latents, context = _sample(i)
+                where = writer.add(f"{i:09d}", latents, context, {"i": i})
+                rows.append({"shard": name, "shard_id": len(shards) - 1, "key": f"{i:09d}", **where,
+                             "channels": 4, "latent_f": latents.shape[1], "latent_h": latents.shape[2],
+                             "latent_w": latents.shape[3], "grid_f": grid[0], "grid_h": grid[1], "grid_w": grid[2],
+                             "seq_len": int(np.prod(grid)), "context_len": context.shape[0], "caption_hash": "0",
+                             "source": f"src{i}"})  # fmt: skip
+    meta = {"shards": shards, "text_len": TEXT_LEN, "text_dim": TEXT_DIM, "dtype": "float16"}
+    write_index(root / "index.parquet", index_rows_to_table(rows), meta)
+    return root / "index.parquet"
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    return write_corpus(tmp_path)
+
+
+def test_random_access_returns_what_was_written(corpus):
+    ds = ShardedLatentDataset(corpus)
+    assert len(ds) == 24 and ds.text_len == TEXT_LEN and ds.text_dim == TEXT_DIM
+    for i in [17, 0, 23, 5, 10]:
+        grid, latents, context = _sample(i)
+        item = ds[i]
+        assert item["index"] == i
+        assert item["latents"].dtype == torch.float32
+        torch.testing.assert_close(item["latents"], torch.from_numpy(latents).float())
+        assert item["context"].shape == (TEXT_LEN, TEXT_DIM)
+        torch.testing.assert_close(item["context"][: context.shape[0]], torch.from_numpy(context).float())
+        assert not item["context"][context.shape[0] :].any()  # zero-padded to text_len
+        assert tuple(ds.token_grids()[i]) == grid
+
+
+def test_token_grids_come_from_the_index_alone(corpus):
+    for tar in (corpus.parent / "shards").glob("*.tar"):
+        tar.unlink()
+    ds = ShardedLatentDataset(corpus, check_shards=False)
+    assert ds.token_grids().dtype == np.int64
+    assert [tuple(g) for g in ds.token_grids()] == [_sample(i)[0] for i in range(24)]
+
+
+def test_shards_are_webdataset_readable(corpus):
+    import webdataset as wds
+
+    tar = str(corpus.parent / "shards" / "shard-000001.tar")
+    got = list(wds.WebDataset(tar, shardshuffle=False).decode())
+    assert [x["__key__"] for x in got] == [f"{i:09d}" for i in range(10, 20)]
+    np.testing.assert_array_equal(got[3]["latents.npy"], _sample(13)[1])
+    assert got[3]["meta.json"] == {"i": 13}
+
+
+def test_truncated_shard_is_named_at_construction(corpus):
+    tar = corpus.parent / "shards" / "shard-000001.tar"
+    os.truncate(tar, tar.stat().st_size // 2)
+    with pytest.raises(ValueError, match=r"shard-000001\.tar is truncated"):
+        ShardedLatentDataset(corpus)
+    ds = ShardedLatentDataset(corpus, on_bad_shard="skip")
+    assert len(ds) == 14 and ds.report.skipped_rows == 10
+    assert list(ds.report.bad_shards) == [str(tar)]
+    torch.testing.assert_close(ds[10]["latents"], torch.from_numpy(_sample(20)[1]).float())  # rows renumbered
+    # Without the up-front check the read itself names the shard and the sample.
+    ds = ShardedLatentDataset(corpus, check_shards=False)
+    with pytest.raises(CorruptSampleError, match=r"shard-000001\.tar, sample '000000019'.*truncated"):
+        ds[19]
+
+
+def test_missing_shard_is_named(corpus):
+    (corpus.parent / "shards" / "shard-000002.tar").unlink()
+    with pytest.raises(ValueError, match=r"shard-000002\.tar is missing"):
+        ShardedLatentDataset(corpus)
+
+
+def test_index_row_past_the_shard_end_is_named(corpus):
+    table = pq.read_table(corpus)
+    offsets = table.column("meta_offset").to_numpy().copy()
+    offsets[3] += 10_000_000
+    table = table.set_column(table.schema.get_field_index("meta_offset"), "meta_offset", [offsets])
+    write_index(corpus, table, read_index_metadata(corpus))
+    with pytest.raises(ValueError, match=r"shard-000000\.tar is truncated.*index row 3"):
+        ShardedLatentDataset(corpus)
+
+
+def test_text_dim_mismatch_and_long_context_raise(corpus):
+    with pytest.raises(ValueError, match="text_dim=16"):
+        ShardedLatentDataset(corpus, text_dim=16)
+    ds = ShardedLatentDataset(corpus, text_len=2)
+    with pytest.raises(CorruptSampleError, match=r"context of shape \[3, 8\]"):
+        ds[2]
+
+
+def test_not_an_index_is_refused(tmp_path):
+    import pyarrow as pa
+
+    pq.write_table(pa.table({"a": [1]}), tmp_path / "x.parquet")
+    with pytest.raises(ValueError, match="without `adaptiveload` metadata"):
+        ShardedLatentDataset(tmp_path / "x.parquet")
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_fsspec_url_with_and_without_a_local_cache(tmp_path, cached):
+    fsspec = pytest.importorskip("fsspec")
+    index = write_corpus(tmp_path / "src", n=12, per_shard=5)
+    fs = fsspec.filesystem("memory")
+    for path in [index, *sorted((index.parent / "shards").glob("*.tar"))]:
+        fs.pipe(f"/corpus/{path.relative_to(index.parent)}", path.read_bytes())
+    cache = tmp_path / "cache" if cached else None
+    ds = ShardedLatentDataset("memory://corpus/index.parquet", cache_dir=cache)
+    for i in (11, 0, 7):
+        torch.testing.assert_close(ds[i]["latents"], torch.from_numpy(_sample(i)[1]).float())
+    assert (cache is not None) == (tmp_path / "cache" / "corpus" / "shards" / "shard-000002.tar").is_file()
+
+
+class _Recorder(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+        self.seen: list[list[int]] = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(batch["index"].tolist())
+        # A sample's latents hold its index: the loader returned the sample the sampler asked for.
+        assert torch.equal(batch["latents"][:, 0, 0, 0, 0], batch["index"].float())
+        return self.layer(batch["latents"].mean(dim=(2, 3, 4))).pow(2).mean() + batch["context"].sum() * 0
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _fit(root, model, ckpt_path=None, callbacks=()):
+    dm = AdaptiveLoadDataModule(ShardedLatentDataset(root / "index.parquet"), DualConstraintPolicy(36, 36 * 18, 2),
+                                seed=3, num_workers=2)  # fmt: skip
+    trainer = Trainer(default_root_dir=root, accelerator="cpu", devices=1, max_epochs=1, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks),
+                      enable_checkpointing=bool(callbacks))  # fmt: skip
+    trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+
+
+def test_datamodule_with_workers_resumes_mid_epoch_exactly(corpus):
+    root = corpus.parent
+    ckpt = ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=3, save_top_k=-1, filename="{step}")
+    full = _Recorder()
+    _fit(root, full, callbacks=[ckpt])
+    assert sorted(i for b in full.seen for i in b) == list(range(24))
+    resumed = _Recorder()
+    _fit(root, resumed, ckpt_path=str(root / "ckpt" / "step=3.ckpt"))
+    assert resumed.seen == full.seen[3:]
+    assert Counter(i for b in full.seen[:3] + resumed.seen for i in b) == Counter(range(24))
+
+
+def test_hydra_config_composes_and_instantiates(corpus):
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.utils import instantiate
+
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="lightning_adaptiveload.conf", version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["data=shards", f"data.dataset.path={corpus}"])
+    assert cfg.data.datamodule.num_workers == 2 and cfg.data.datamodule.pin_memory is False
+    ds = instantiate(cfg.data.dataset, text_len=TEXT_LEN, text_dim=TEXT_DIM)
+    assert isinstance(ds, ShardedLatentDataset) and len(ds) == 24
+    assert json.loads(json.dumps(ds.metadata))["shards"][0] == "shards/shard-000000.tar"
