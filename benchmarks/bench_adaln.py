@@ -24,12 +24,14 @@ shapes far larger than L2 the two agree.
 
     python benchmarks/bench_adaln.py --out benchmarks/results/adaln_h200
     python benchmarks/bench_adaln.py --out /tmp/small --providers ours --shapes '4,1560,1536'
+    python benchmarks/bench_adaln.py --out /tmp/no_clusters --providers ours --cluster 1   # launch options
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import itertools
 import json
 import math
@@ -39,7 +41,7 @@ import triton
 import triton.language as tl
 import triton.testing
 
-from lightning_adaptiveload.ops import adaln, adaln_ref
+from lightning_adaptiveload.ops import AdaLNLaunchOptions, adaln, adaln_ref
 
 SHAPES = [(1, 32760, 1536), (2, 16380, 1536), (1, 75600, 5120), (1, 64000, 3072), (4, 1560, 1536)]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -115,11 +117,11 @@ def _same_bytes(x, s, h, w, b):
 _same_bytes.x_grad_only = True  # no modulation gradient: see the module docstring
 
 
-def providers():
+def providers(options: AdaLNLaunchOptions | None = None):
     out = {
         "eager": lambda x, s, h, w, b: adaln_ref(x, s, h, out_dtype=torch.bfloat16),
         "compile": torch.compile(lambda x, s, h, w, b: adaln_ref(x, s, h, out_dtype=torch.bfloat16), dynamic=False),
-        "ours": lambda x, s, h, w, b: adaln(x, s, h, out_dtype=torch.bfloat16),
+        "ours": lambda x, s, h, w, b: adaln(x, s, h, out_dtype=torch.bfloat16, options=options),
     }
     liger = _liger()
     if liger is not None:
@@ -227,7 +229,14 @@ def main() -> None:
         help="warm: back-to-back replays on the same tensors (they may stay in L2); cold: calls take turns "
         "over copies of the inputs, so each finds them evicted; both (default)",
     )  # fmt: skip
+    parser.add_argument("--no-pdl", action="store_true", help="ours: launch without programmatic dependent launch")
+    parser.add_argument("--cluster", type=int, default=None, help="ours: backward clusters 1 (never), 2, 4 or 8")
+    parser.add_argument("--fwd-features", type=int, default=None, help="ours: streamed forward features, 16 or 24")
+    parser.add_argument("--bwd-features", type=int, default=None, help="ours: streamed backward features, 16 or 24")
     args = parser.parse_args()
+    options = AdaLNLaunchOptions(
+        pdl=not args.no_pdl, cluster=args.cluster, fwd_features=args.fwd_features, bwd_features=args.bwd_features
+    )
     torch._dynamo.config.cache_size_limit = 64
     bw = copy_bandwidth()
     rows = []
@@ -242,7 +251,7 @@ def main() -> None:
             mod = 2 * B * D * 4
             fwd_bytes = elems * (xs + 2) + mod + 8 * B * N
             fb_bytes = fwd_bytes + elems * (2 + xs + xs) + 2 * mod + 8 * B * N  # fwd, then read x, dy; write dx
-            for name, fn in providers().items():
+            for name, fn in providers(options).items():
                 if args.providers != "all" and name not in args.providers.split(","):
                     continue
                 error = ""
@@ -271,7 +280,7 @@ def main() -> None:
                 )  # fmt: skip
                 torch.cuda.empty_cache()
                 print(_fmt(rows[-1]), flush=True)
-                _write(args.out, bw, rows, args.l2)  # after every row, so a cut-short run keeps what it measured
+                _write(args.out, bw, rows, args.l2, options)  # after every row, so a cut-short run keeps what it measured
     print(HEADER)
     for r in rows:
         print(_fmt(r))
@@ -281,10 +290,10 @@ def _l2_bytes() -> int:
     return int(getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0))
 
 
-def _write(out: str, bw: float, rows: list[dict], l2: str) -> None:
+def _write(out: str, bw: float, rows: list[dict], l2: str, options: AdaLNLaunchOptions) -> None:
     meta = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_gbps": bw / 1e9,
-        "l2_cache_mb": _l2_bytes() / 2**20, "l2": l2,
+        "l2_cache_mb": _l2_bytes() / 2**20, "l2": l2, "launch_options": dataclasses.asdict(options),
     }  # fmt: skip
     with open(out + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The fused AdaLN op on a CUDA machine: its GPU tests, then what one eager forward+backward call
+# costs at Wan 2.1 1.3B's video and image shapes (wall time per call against the kernels' GPU time
+# and against eager PyTorch). Writes the timing JSON to $1 and exits with the tests' status.
+#
+#     bash benchmarks/gpu_check_adaln.sh /tmp/out/adaln_eager_calls.json
+#
+# The extension builds on first use (1-2 min on an H200) for the GPU's architecture, whatever
+# TORCH_CUDA_ARCH_LIST says; the tests and the timing share that build.
+set -uo pipefail
+out="${1:?usage: bash benchmarks/gpu_check_adaln.sh OUT.json}"
+cd "$(dirname "$0")/.."
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
+mkdir -p "$(dirname "$out")"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+start=$(date +%s)
+timeout 120 python3 -c "
+import time, torch
+from lightning_adaptiveload.ops import adaln_build_error, load_adaln_extension
+t = time.time()
+print('build ok:', load_adaln_extension(), adaln_build_error(), f'{time.time() - t:.0f}s')
+"
+timeout 75 python3 -m pytest -q tests/ops -m cuda -p no:cacheprovider 2>&1 | tail -n 15
+tests_rc=${PIPESTATUS[0]}
+echo "tests done in $(( $(date +%s) - start ))s (rc=$tests_rc)"
+timeout 40 python3 benchmarks/host_overhead_adaln.py --cuda --calls 200 --repeats 5 --json "$out" 2>&1 | grep -v Warning
+echo "timing done in $(( $(date +%s) - start ))s"
+exit "$tests_rc"
