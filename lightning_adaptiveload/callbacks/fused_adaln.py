@@ -1,4 +1,9 @@
-"""Swap every AdaLN module of a model for its fused CUDA twin before the strategy wraps the model.
+"""Route every AdaLN site of a model through the fused CUDA kernel before the strategy wraps the model.
+
+Two mechanisms, both registries: module swaps (a module type → its fused twin, for models whose
+norm modules take the modulation, like :class:`AdaLayerNorm`) and patchers (``model -> sites
+patched``, for models that modulate inline in a parent's ``forward``, like diffusers' Wan blocks,
+where only the parent's ``forward`` can be replaced).
 
 Lightning calls ``Callback.setup`` *before* ``LightningModule.configure_model`` and wraps the model
 (DDP/FSDP) right after ``configure_model``, with no callback hook in between. So ``setup`` patches
@@ -10,6 +15,8 @@ the same parameters (the swap shares them) and wraps the fused modules.
 from __future__ import annotations
 
 import functools
+import importlib.util
+import sys
 from collections.abc import Callable
 
 import lightning.pytorch as pl
@@ -26,6 +33,21 @@ from lightning_adaptiveload.ops import adaln_build_error, load_adaln_extension
 _REGISTRY: dict[type[nn.Module], Callable[[nn.Module], nn.Module]] = {
     AdaLayerNorm: FusedAdaLayerNorm.from_module,
 }
+
+
+def _patch_diffusers_wan(model: nn.Module) -> int:
+    # A model can only hold diffusers' Wan modules once their module is imported, so this never
+    # imports diffusers for models that do not use it.
+    if "diffusers.models.transformers.transformer_wan" not in sys.modules:
+        return 0
+    from lightning_adaptiveload.integrations.diffusers import patch_wan_transformer
+
+    return patch_wan_transformer(model)
+
+
+_PATCHERS: dict[str, Callable[[nn.Module], int]] = {}
+if importlib.util.find_spec("diffusers") is not None:  # finds the package without importing it
+    _PATCHERS["diffusers_wan"] = _patch_diffusers_wan
 
 
 def register_adaln_module(cls: type[nn.Module], converter: Callable[[nn.Module], nn.Module]) -> None:
@@ -46,11 +68,59 @@ def register_adaln_module(cls: type[nn.Module], converter: Callable[[nn.Module],
     _REGISTRY[cls] = converter
 
 
-def apply_fused_adaln(model: nn.Module) -> int:
-    """Replace, in place, every submodule whose exact type is registered by its fused twin.
+def unregister_adaln_module(cls: type[nn.Module]) -> Callable[[nn.Module], nn.Module]:
+    """Stop swapping modules of type ``cls``; returns the converter that was registered.
 
-    Exact types only: a subclass may change ``forward``, and the fused twins (subclasses of
-    :class:`AdaLayerNorm`) are never patched twice. Returns the number of modules replaced.
+    Raises:
+        ValueError: if ``cls`` is not registered.
+    """
+    if cls not in _REGISTRY:
+        raise ValueError(
+            f"`unregister_adaln_module({cls!r})` is not valid. Registered: {[c.__name__ for c in _REGISTRY]}."
+        )
+    return _REGISTRY.pop(cls)
+
+
+def register_adaln_patcher(name: str, patcher: Callable[[nn.Module], int]) -> None:
+    """Teach :func:`apply_fused_adaln` to call ``patcher(model)``, which fuses what it finds in place.
+
+    A patcher is for models that modulate inline in a parent's ``forward``, where swapping the norm
+    module cannot help. It must patch only what it has not patched yet, return the number of AdaLN
+    sites it newly routed through :func:`lightning_adaptiveload.ops.adaln`, leave parameters and
+    ``state_dict`` keys alone, and compute the same function. ``"diffusers_wan"``
+    (:func:`lightning_adaptiveload.integrations.diffusers.patch_wan_transformer`) is registered when
+    diffusers is installed.
+
+    Raises:
+        TypeError: if ``name`` is not a string or ``patcher`` is not callable.
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"`register_adaln_patcher(name={name!r})` is not valid. Expected a non-empty string.")
+    if not callable(patcher):
+        raise TypeError(
+            f"`register_adaln_patcher(patcher={patcher!r})` is not valid. Expected a callable model -> int."
+        )
+    _PATCHERS[name] = patcher
+
+
+def unregister_adaln_patcher(name: str) -> Callable[[nn.Module], int]:
+    """Stop calling the patcher registered as ``name``; returns it.
+
+    Raises:
+        ValueError: if no patcher is registered as ``name``.
+    """
+    if name not in _PATCHERS:
+        raise ValueError(f"`unregister_adaln_patcher({name!r})` is not valid. Registered: {sorted(_PATCHERS)}.")
+    return _PATCHERS.pop(name)
+
+
+def apply_fused_adaln(model: nn.Module) -> int:
+    """Fuse, in place, every AdaLN site of ``model`` that a registered swap or patcher covers.
+
+    First replaces every submodule whose exact type is registered by its fused twin (exact types
+    only: a subclass may change ``forward``, and the fused twins, subclasses of :class:`AdaLayerNorm`,
+    are never swapped twice), then runs every registered patcher. Returns the number of sites newly
+    fused: one per swapped module plus what the patchers report.
     """
     targets = [
         (parent, name, child)
@@ -60,16 +130,20 @@ def apply_fused_adaln(model: nn.Module) -> int:
     ]
     for parent, name, child in targets:
         setattr(parent, name, _REGISTRY[type(child)](child))
-    return len(targets)
+    return len(targets) + sum(int(patcher(model)) for patcher in list(_PATCHERS.values()))
 
 
 class FusedAdaLNCallback(Callback):
     """Run every AdaLN site of the model through the fused CUDA kernel.
 
-    Swaps registered modules (by default :class:`AdaLayerNorm` → :class:`FusedAdaLayerNorm`) before
-    the strategy wraps the model; parameters and ``state_dict`` keys are untouched, so checkpoints
-    load either way. Without CUDA, or when the kernel does not build on some rank, it does nothing
-    and warns once (the model keeps its reference modules on every rank).
+    Calls :func:`apply_fused_adaln` before the strategy wraps the model: registered module swaps (by
+    default :class:`AdaLayerNorm` → :class:`FusedAdaLayerNorm`) and registered patchers (by default
+    diffusers' ``WanTransformer3DModel``, when diffusers is installed). Parameters and ``state_dict``
+    keys are untouched, so checkpoints load either way. Without CUDA, or when the kernel does not
+    build on some rank, it does nothing and warns once (the model keeps its reference path on every
+    rank). It also warns when it finds nothing to fuse on CUDA: the model's AdaLN sites are then
+    neither a registered module type nor covered by a patcher (see :func:`register_adaln_module` and
+    :func:`register_adaln_patcher`).
 
     Args:
         build: build the CUDA extension in ``setup`` (on every rank) instead of on the first step.
@@ -105,12 +179,23 @@ class FusedAdaLNCallback(Callback):
             def configure_model_then_fuse() -> None:
                 original()
                 self.patched += apply_fused_adaln(pl_module)
-                rank_zero_info(f"FusedAdaLNCallback: {self.patched} AdaLN modules use the fused kernel")
+                self._report(pl_module)
 
             pl_module.configure_model = configure_model_then_fuse
             self._wrapped = pl_module
         else:
-            rank_zero_info(f"FusedAdaLNCallback: {self.patched} AdaLN modules use the fused kernel")
+            self._report(pl_module)
+
+    def _report(self, pl_module: pl.LightningModule) -> None:
+        if self.patched:
+            rank_zero_info(f"FusedAdaLNCallback: {self.patched} AdaLN sites use the fused kernel")
+            return
+        rank_zero_warn(
+            f"FusedAdaLNCallback: found no AdaLN site to fuse in {type(pl_module).__name__}; its norm + "
+            f"modulate sites run unfused. Registered module types: {[c.__name__ for c in _REGISTRY]}, "
+            f"patchers: {sorted(_PATCHERS)}. Register the model's with `register_adaln_module(cls, converter)` "
+            "or `register_adaln_patcher(name, patcher)`, or drop the callback."
+        )
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

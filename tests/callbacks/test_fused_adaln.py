@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
+import sys
 
 import lightning.pytorch as pl
 import pytest
@@ -14,6 +16,9 @@ from lightning_adaptiveload.callbacks.fused_adaln import (
     FusedAdaLNCallback,
     apply_fused_adaln,
     register_adaln_module,
+    register_adaln_patcher,
+    unregister_adaln_module,
+    unregister_adaln_patcher,
 )
 from lightning_adaptiveload.models.flow_matching import FlowMatchingModule
 from lightning_adaptiveload.models.wan import WAN_CONFIGS, WanModel
@@ -63,6 +68,70 @@ def test_registry_maps_user_classes(monkeypatch):
         register_adaln_module(int, lambda m: m)
     with pytest.raises(TypeError, match="Expected a callable"):
         register_adaln_module(MyNorm, "nope")
+    unregister_adaln_module(MyNorm)
+    assert apply_fused_adaln(nn.Sequential(MyNorm())) == 0
+    with pytest.raises(ValueError, match=r"unregister_adaln_module\(.*MyNorm.*Registered: \['AdaLayerNorm'\]"):
+        unregister_adaln_module(MyNorm)
+
+
+class _Inline(nn.Module):
+    """Modulates inline in forward, like diffusers' Wan blocks: only a patcher can fuse it."""
+
+    def forward(self, x, scale, shift):
+        return nn.functional.layer_norm(x, x.shape[-1:]) * (1 + scale) + shift
+
+
+def _patch_inline(model: nn.Module) -> int:
+    found = [m for m in model.modules() if type(m) is _Inline and not getattr(m, "fused", False)]
+    for m in found:
+        m.fused = True
+    return len(found)
+
+
+def test_patchers_are_called_counted_and_unregistered(monkeypatch):
+    monkeypatch.setattr(fa, "_PATCHERS", dict(fa._PATCHERS))
+    register_adaln_patcher("inline", _patch_inline)
+    model = nn.Sequential(_Inline(), AdaLayerNorm(4), nn.Sequential(_Inline()))
+    assert apply_fused_adaln(model) == 3  # one swap + two patched sites
+    assert all(m.fused for m in model.modules() if type(m) is _Inline)
+    assert apply_fused_adaln(model) == 0
+    assert unregister_adaln_patcher("inline") is _patch_inline
+    assert apply_fused_adaln(nn.Sequential(_Inline())) == 0
+    with pytest.raises(ValueError, match=r"unregister_adaln_patcher\('inline'\)` is not valid"):
+        unregister_adaln_patcher("inline")
+    with pytest.raises(TypeError, match="non-empty string"):
+        register_adaln_patcher("", _patch_inline)
+    with pytest.raises(TypeError, match="callable model -> int"):
+        register_adaln_patcher("x", 3)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("diffusers") is None, reason="diffusers is not installed")
+def test_diffusers_patcher_is_registered_and_imports_nothing_for_other_models(monkeypatch):
+    assert fa._PATCHERS["diffusers_wan"] is fa._patch_diffusers_wan
+    for name in [n for n in sys.modules if n.split(".")[0] == "diffusers" or n.endswith("integrations.diffusers")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert apply_fused_adaln(nn.Sequential(nn.Linear(2, 2), AdaLayerNorm(2))) == 1
+    assert not [n for n in sys.modules if n.split(".")[0] == "diffusers"]
+
+
+def test_callback_warns_when_it_finds_nothing_to_fuse_on_cuda(monkeypatch):
+    class Plain(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Linear(2, 2)
+
+    cb = FusedAdaLNCallback(build=False)
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    monkeypatch.setattr(type(trainer.strategy), "root_device", property(lambda self: torch.device("cuda", 0)))
+    with pytest.warns(UserWarning, match=r"found no AdaLN site to fuse in Plain; .*register_adaln_patcher"):
+        cb.setup(trainer, Plain(), "fit")
+    module = FlowMatchingModule("tiny")  # builds its model in configure_model: the verdict waits for it
+    with pytest.warns(UserWarning, match="found no AdaLN site") as rec:
+        monkeypatch.setattr(fa, "_REGISTRY", {})
+        cb.setup(trainer, module, "fit")
+        assert not [w for w in rec if "found no AdaLN site" in str(w.message)]
+        module.configure_model()
+    cb.teardown(trainer, module, "fit")
 
 
 def test_callback_is_a_noop_with_one_warning_on_cpu():
@@ -94,14 +163,12 @@ def test_callback_patches_modules_built_in_configure_model(monkeypatch):
 
 
 def test_callback_builds_the_extension_and_reports_a_failed_build(monkeypatch):
-    """With build=True on a CUDA device, setup asks ops.adaln to build; a failed build patches nothing."""
+    """With build=True on a CUDA device, setup asks ops to build; a failed build patches nothing."""
     import contextlib
-    import importlib
 
-    ops = importlib.import_module("lightning_adaptiveload.ops.adaln")
     calls = []
-    monkeypatch.setattr(ops, "_load_extension", lambda: calls.append(1))  # returns None: build failed
-    monkeypatch.setattr(ops, "_build_error", "nvcc not found", raising=False)
+    monkeypatch.setattr(fa, "load_adaln_extension", lambda: calls.append(1) or False)  # the build failed
+    monkeypatch.setattr(fa, "adaln_build_error", lambda: "nvcc not found")
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     module = FlowMatchingModule("tiny")
     module.configure_model()

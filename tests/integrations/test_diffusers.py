@@ -1,0 +1,234 @@
+"""diffusers integration: fused AdaLN patch of WanTransformer3DModel and the DiffusersWanModule adapter."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+import lightning.pytorch as pl  # noqa: E402
+from diffusers.models.transformers.transformer_wan import WanTransformer3DModel  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+from lightning_adaptiveload.bucketing.policy import DualConstraintPolicy  # noqa: E402
+from lightning_adaptiveload.callbacks.fused_adaln import FusedAdaLNCallback, apply_fused_adaln  # noqa: E402
+from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule  # noqa: E402
+from lightning_adaptiveload.data.synthetic import SyntheticMixedDataset  # noqa: E402
+from lightning_adaptiveload.integrations import diffusers as integ  # noqa: E402
+from lightning_adaptiveload.integrations.diffusers import (  # noqa: E402
+    DiffusersWanModule,
+    patch_wan_transformer,
+    unpatch_wan_transformer,
+)
+from lightning_adaptiveload.models.protocol import (  # noqa: E402
+    OPTIONAL_MEMBERS,
+    REQUIRED_MEMBERS,
+    check_module,
+    validate_synthetic_batch,
+)
+
+TINY = {
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 2,
+    "attention_head_dim": 12,
+    "in_channels": 4,
+    "out_channels": 4,
+    "text_dim": 8,
+    "freq_dim": 16,
+    "ffn_dim": 32,
+    "num_layers": 2,
+    "cross_attn_norm": True,
+    "rope_max_seq_len": 32,
+}
+SITES = 2 * TINY["num_layers"] + 1
+
+pytestmark = pytest.mark.filterwarnings("ignore:adaln. using the PyTorch reference")
+
+
+def _tiny(seed: int = 0, **overrides) -> WanTransformer3DModel:
+    torch.manual_seed(seed)
+    return WanTransformer3DModel(**{**TINY, **overrides}).eval()
+
+
+def _inputs(per_token: bool, grid=(2, 2, 3), batch: int = 2, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    f, h, w = grid
+    x = torch.randn(batch, TINY["in_channels"], f, 2 * h, 2 * w, generator=gen)
+    context = torch.randn(batch, 3, TINY["text_dim"], generator=gen)
+    shape = (batch, f * h * w) if per_token else (batch,)
+    t = torch.rand(shape, generator=gen) * 1000
+    return x, t, context
+
+
+def _forward_backward(model, x, t, context):
+    out = model(x, t, context, return_dict=False)[0]
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))  # every output matters
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad((out * weight).sum(), params)
+    return out.detach(), dict(zip([n for n, p in model.named_parameters() if p.requires_grad], grads, strict=True))
+
+
+class _CountAdaLN:
+    def __init__(self, monkeypatch):
+        self.calls = []
+        original = integ.adaln
+
+        def counting(x, scale, shift, *args):
+            self.calls.append(tuple(scale.shape))
+            return original(x, scale, shift, *args)
+
+        monkeypatch.setattr(integ, "adaln", counting)
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["per_sample", "per_token"])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["eager", "checkpointed"])
+def test_patched_model_matches_diffusers_forward_and_every_gradient(monkeypatch, per_token, checkpointing):
+    ref = _tiny()
+    fused = copy.deepcopy(ref)
+    assert patch_wan_transformer(fused) == SITES
+    if checkpointing:
+        ref.enable_gradient_checkpointing()
+        fused.enable_gradient_checkpointing()
+    count = _CountAdaLN(monkeypatch)
+    x, t, context = _inputs(per_token)
+    out_ref, grads_ref = _forward_backward(ref, x, t, context)
+    assert count.calls == []
+    out, grads = _forward_backward(fused, x, t, context)
+    n = 2 * 2 * 3
+    recomputed = 2 * TINY["num_layers"] if checkpointing else 0  # the blocks' sites run again in backward
+    assert count.calls == [(2, n, 24) if per_token else (2, 1, 24)] * (SITES + recomputed)
+    assert torch.equal(out, out_ref)  # the CPU path runs the same fp32 ops: bit for bit
+    assert grads.keys() == grads_ref.keys() and len(grads) == len(list(ref.parameters()))
+    for name, g in grads.items():
+        assert torch.equal(g, grads_ref[name]), name
+
+
+def test_patch_is_per_instance_reversible_and_keeps_the_state_dict(monkeypatch):
+    model = _tiny()
+    keys = list(model.state_dict())
+    params = dict(model.named_parameters())
+    assert patch_wan_transformer(model) == SITES
+    assert patch_wan_transformer(model) == 0  # never twice
+    assert type(model.blocks[0]).__name__ == "WanTransformerBlock"  # diffusers finds blocks by name
+    assert list(model.state_dict()) == keys and all(p is params[n] for n, p in model.named_parameters())
+    clone = copy.deepcopy(model)  # stays patched, bound to the copy
+    assert clone.blocks[1].forward.__self__ is clone.blocks[1] and clone.forward.__self__ is clone
+    assert patch_wan_transformer(_tiny()) == SITES  # another instance is not patched yet
+
+    count = _CountAdaLN(monkeypatch)
+    x, t, context = _inputs(False)
+    model(x, t, context)
+    assert len(count.calls) == SITES
+    assert unpatch_wan_transformer(model) == SITES and unpatch_wan_transformer(model) == 0
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    count.calls.clear()
+    model(x, t, context)
+    assert count.calls == []
+
+
+def test_patch_leaves_replaced_forwards_and_other_diffusers_sources_alone(monkeypatch):
+    model = _tiny()
+    hooked = model.blocks[0]
+    hooked.forward = hooked.forward  # what a diffusers hook (cache, offloading, CP) leaves behind
+    with pytest.warns(UserWarning, match=r"left 1 module\(s\) unfused: WanTransformerBlock: its forward is already"):
+        assert patch_wan_transformer(model) == SITES - 2
+    assert "forward" in hooked.__dict__ and unpatch_wan_transformer(model) == SITES - 2
+    assert "forward" in hooked.__dict__  # not ours: unpatch keeps it
+
+    monkeypatch.setitem(integ._VERIFIED_SOURCES, WanTransformer3DModel, "0" * 16)
+    integ._source_matches.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match=r"WanTransformer3DModel.forward` differs from the 0.42.1"):
+            assert patch_wan_transformer(_tiny()) == SITES - 1
+        assert patch_wan_transformer(_tiny(), strict=False) == SITES
+    finally:
+        integ._source_matches.cache_clear()
+
+
+def test_callback_patches_diffusers_models_by_default(monkeypatch):
+    module = DiffusersWanModule(_tiny(), text_len=3)
+    assert apply_fused_adaln(module) == SITES
+    assert unpatch_wan_transformer(module) == SITES
+    cb = FusedAdaLNCallback(build=False)
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    monkeypatch.setattr(type(trainer.strategy), "root_device", property(lambda self: torch.device("cuda", 0)))
+    cb.setup(trainer, module, "fit")
+    assert cb.patched == SITES and "forward" in module.transformer.blocks[0].__dict__
+
+
+def test_adapter_provides_the_protocol():
+    module = DiffusersWanModule(dict(TINY), text_len=3)
+    assert module.patch_size == (1, 2, 2)
+    with pytest.raises(RuntimeError, match="configure_model"):
+        module.compute_loss(module.synthetic_batch(1, (1, 1, 1)))
+    module.configure_model()
+    check_module(module, REQUIRED_MEMBERS + OPTIONAL_MEMBERS)
+    batch = validate_synthetic_batch(module, (2, 2, 3), device="cpu")
+    assert batch["latents"].shape == (2, 4, 2, 4, 6) and batch["context"].shape == (2, 3, 8)
+    assert torch.equal(batch["latents"], module.synthetic_batch(2, (2, 2, 3))["latents"])  # own generator
+    assert module.batch_shape(batch) == (2, 12)
+    loss = module.compute_loss(batch)
+    assert loss.dtype == torch.float32 and loss.ndim == 0 and torch.isfinite(loss)
+    with pytest.raises(ValueError, match="token_grid"):
+        module.synthetic_batch(1, (1, 0, 1))
+    with pytest.raises(TypeError, match="WanTransformer3DModel"):
+        DiffusersWanModule("Wan-AI/Wan2.1-T2V-1.3B")
+
+
+def test_flops_per_sample_is_three_times_the_counted_forward():
+    module = DiffusersWanModule(_tiny(), text_len=3)
+    batch = module.synthetic_batch(2, (2, 2, 3))
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), counter:  # the math path is counted as matmuls
+        module(batch["latents"], torch.tensor([500.0, 10.0]), batch["context"])
+    assert module.flops_per_sample(12) == 3 * counter.get_total_flops() / 2
+
+
+def test_adapter_trains_with_the_datamodule_on_cpu(tmp_path):
+    dataset = SyntheticMixedDataset(24, "tiny", latent_channels=4, text_len=3, text_dim=8, seed=0)
+    dm = AdaptiveLoadDataModule(dataset, DualConstraintPolicy(m_mem=128, m_comp=128 * 64, p=2), seed=0)
+    torch.manual_seed(0)
+    module = DiffusersWanModule(dict(TINY), text_len=3, lr=1e-3)
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=3, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[FusedAdaLNCallback()],
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, datamodule=dm)
+    assert trainer.global_step == 3
+    assert torch.isfinite(trainer.callback_metrics["train/loss"])
+    fresh = DiffusersWanModule(dict(TINY), text_len=3)
+    torch.manual_seed(0)
+    fresh.configure_model()
+    assert any(not torch.equal(a, b) for a, b in zip(module.parameters(), fresh.parameters(), strict=True))
+    reloaded = DiffusersWanModule(**module.hparams)  # hparams rebuild the same architecture
+    reloaded.configure_model()
+    reloaded.load_state_dict(module.state_dict())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("per_token", [False, True], ids=["per_sample", "per_token"])
+def test_fused_kernel_matches_unpatched_model_in_bf16(per_token):
+    config = {**TINY, "num_attention_heads": 2, "attention_head_dim": 64, "ffn_dim": 256}
+    ref = _tiny(**config).cuda().to(torch.bfloat16)
+    fused = copy.deepcopy(ref)
+    assert patch_wan_transformer(fused) == SITES
+    x, t, context = (v.cuda() for v in _inputs(per_token, grid=(3, 4, 6)))
+    x, context = x.bfloat16(), context.bfloat16()
+    out_ref, grads_ref = _forward_backward(ref, x, t, context)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, grads = _forward_backward(fused, x, t, context)
+    assert not [w for w in caught if "using the PyTorch reference" in str(w.message)]
+    torch.testing.assert_close(out.float(), out_ref.float(), rtol=2e-2, atol=2e-2)
+    for name, g in grads.items():
+        ref_g = grads_ref[name].float()
+        err = (g.float() - ref_g).norm() / ref_g.norm().clamp_min(1e-6)
+        assert err < 2e-2, f"{name}: relative error {err:.3g}"
