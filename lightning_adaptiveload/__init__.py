@@ -10,14 +10,21 @@ from lightning_adaptiveload.bucketing import (
     CostModelPolicy,
     DualConstraintPolicy,
     EqualTokenPolicy,
-    SimulationResult,
     bubble_fraction,
-    compare_policies,
     compute_imbalance_rate,
-    simulate,
     sync_overhead,
 )
-from lightning_adaptiveload.bucketing.shapes import latent_shape, pixel_token_grid, seq_len, token_grid
+from lightning_adaptiveload.calibration import (
+    Calibration,
+    CostModel,
+    MemoryModel,
+    SimulationResult,
+    compare_policies,
+    derive_policy,
+    load_calibration,
+    simulate,
+)
+from lightning_adaptiveload.geometry import latent_shape, pixel_token_grid, seq_len, token_grid, tokens_of
 from lightning_adaptiveload.callbacks.balance_monitor import BalanceMonitor
 from lightning_adaptiveload.callbacks.fused_adaln import (
     FusedAdaLNCallback,
@@ -25,7 +32,6 @@ from lightning_adaptiveload.callbacks.fused_adaln import (
     register_adaln_module,
 )
 from lightning_adaptiveload.callbacks.shape_benchmark import ShapeBenchmarkCallback
-from lightning_adaptiveload.costmodel import CostModel, MemoryModel
 from lightning_adaptiveload.data import (
     MIXTURES,
     ManifestDataset,
@@ -55,6 +61,7 @@ __all__ = [
     "AdaptiveLoadDataModule",
     "BalanceMonitor",
     "BatchSizePolicy",
+    "Calibration",
     "CostModel",
     "CostModelPolicy",
     "DualConstraintPolicy",
@@ -77,8 +84,10 @@ __all__ = [
     "collate_batch",
     "compare_policies",
     "compute_imbalance_rate",
+    "derive_policy",
     "get_mixture",
     "latent_shape",
+    "load_calibration",
     "pixel_token_grid",
     "read_manifest_shapes",
     "register_adaln_module",
@@ -86,4 +95,5 @@ __all__ = [
     "simulate",
     "sync_overhead",
     "token_grid",
+    "tokens_of",
 ]

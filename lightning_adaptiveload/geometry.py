@@ -1,4 +1,7 @@
-"""Sample shape → latent grid → token grid → sequence length S, without decoding anything.
+"""Token geometry, in one place: pixels ↔ latent shape ↔ token grid ↔ sequence length S.
+
+Every other module asks this one how many tokens a sample or a batch has, so a patch size or VAE
+stride is applied exactly once.
 
 Wan 2.1's VAE compresses time by 4 (keeping the first frame: ``1 + (F - 1) // 4`` latent frames)
 and space by 8; the DiT patchifies latents with patch (1, 2, 2). An 81-frame 832×480 clip is thus
@@ -9,6 +12,7 @@ one latent frame.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -77,6 +81,37 @@ def seq_len(grid: Sequence[int]) -> int:
     """Number of tokens S of a token grid (f, h, w)."""
     f, h, w = grid
     return int(f) * int(h) * int(w)
+
+
+def latent_of_grid(grid: Sequence[int], patch_size: Sequence[int] = PATCH_SIZE) -> tuple[int, int, int]:
+    """Token grid (f, h, w) → the latent shape (F, H, W) that patchifies to it."""
+    pt, ph, pw = _check_triple("patch_size", patch_size)
+    f, h, w = _check_triple("token_grid", grid)
+    return f * pt, h * ph, w * pw
+
+
+def tokens_of(latents: Any, patch_size: Sequence[int] = PATCH_SIZE) -> tuple[int, int]:
+    """``(B, S)`` of a batch of latents ``[B, C, F, H, W]`` (a tensor, an array or its shape).
+
+    S is the number of tokens per sample after patchify with ``patch_size``.
+
+    Raises:
+        ValueError: the latents are not 5-D, or a latent axis is not a multiple of the patch (a
+            patch given for another model would silently miscount every sample otherwise).
+    """
+    shape = tuple(int(v) for v in (latents if isinstance(latents, (tuple, list)) else latents.shape))
+    if len(shape) != 5:
+        raise ValueError(
+            f"latents of shape {shape} are not [B, C, F, H, W]; pass a batch of 5-D latents (or its shape)."
+        )
+    pt, ph, pw = _check_triple("patch_size", patch_size)
+    b, _, f, h, w = shape
+    if f % pt or h % ph or w % pw:
+        raise ValueError(
+            f"latents of shape {shape} are not divisible by patch_size {(pt, ph, pw)}: the model's patch "
+            "size and the data's latents disagree. Check `patch_size` of the model and the dataset."
+        )
+    return b, (f // pt) * (h // ph) * (w // pw)
 
 
 def pixel_token_grids(

@@ -1,31 +1,22 @@
-"""Shape bucketing: token grids, batch-size policies, the balanced batch sampler and the simulator."""
+"""Shape bucketing: batch-size policies, the rank-aware balanced batch sampler and balance metrics."""
 
-from lightning_adaptiveload.bucketing.balance import (
-    SimulationResult,
-    bubble_fraction,
-    compare_policies,
-    compute_imbalance_rate,
-    simulate,
-    sync_overhead,
-)
+from lightning_adaptiveload.bucketing.metrics import bubble_fraction, compute_imbalance_rate, sync_overhead
 from lightning_adaptiveload.bucketing.policy import (
     BatchSizePolicy,
     CostModelPolicy,
     DualConstraintPolicy,
     EqualTokenPolicy,
 )
-from lightning_adaptiveload.bucketing.sampler import AdaptiveBucketBatchSampler
+from lightning_adaptiveload.bucketing.sampler import AdaptiveBucketBatchSampler, EpochPlan
 
 __all__ = [
     "AdaptiveBucketBatchSampler",
     "BatchSizePolicy",
     "CostModelPolicy",
     "DualConstraintPolicy",
+    "EpochPlan",
     "EqualTokenPolicy",
-    "SimulationResult",
     "bubble_fraction",
-    "compare_policies",
     "compute_imbalance_rate",
-    "simulate",
     "sync_overhead",
 ]

@@ -36,17 +36,20 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
+from lightning_adaptiveload.bucketing.metrics import summarize_step_loads
 from lightning_adaptiveload.bucketing.policy import BatchSizePolicy, CostPredictor
 
 _BALANCE_MODES = ("cost", "none")
 # Token-grid axes are packed into one int64 key (21 bits each) so bucketing is a 1-D np.unique
 # instead of a much slower row-wise unique over an [N, 3] array.
 _AXIS_BITS = 21
-_STATE_VERSION = 1
+# Version 2 added the shapes to the fingerprint; version-1 states are read (without that check).
+_STATE_VERSION = 2
+_READABLE_STATE_VERSIONS = (1, 2)
 
 
 @dataclass
-class _Plan:
+class EpochPlan:
     """One epoch segment's plan. ``steps[s, r]`` is the batch id rank r runs at step s."""
 
     order: np.ndarray  # sample indices, batch after batch
@@ -167,7 +170,9 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
         self._offset = 0  # steps of the active plan taken before the current iteration
         self._yielded = 0  # steps yielded by the current iteration (counts prefetch too)
         self._finished = False  # the active plan was iterated to the end
-        self._cache: tuple[tuple, _Plan] | None = None
+        self._cache: tuple[tuple, EpochPlan] | None = None
+        #: Epoch plans built so far (a plan is cached until the epoch, policy or progress changes).
+        self.plans_built = 0
 
     # ------------------------------------------------------------------ shapes and buckets
     def _index_shapes(self, shapes: Sequence[Sequence[int]] | np.ndarray) -> None:
@@ -196,6 +201,7 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
         self.bucket_seq_lens = self.bucket_grids.prod(axis=1)
         # uint16 bucket ids let numpy's stable argsort use radix sort (O(N)) in every epoch plan.
         self._bucket_of = inverse.reshape(-1).astype(np.uint16 if len(keys) <= 1 << 16 else np.int32)
+        self._shapes_digest: str | None = None
         self.num_samples = int(grids.shape[0])
         self._set_batch_sizes()
 
@@ -238,7 +244,7 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
     def _cost_exponent(self) -> float:
         return float(getattr(self.policy, "cost_exponent", 2.0))
 
-    def _build_plan(self, base: np.ndarray | None, num_replicas: int, segment: int) -> _Plan:
+    def _build_plan(self, base: np.ndarray | None, num_replicas: int, segment: int) -> EpochPlan:
         """Plan the samples ``base`` (sorted indices; ``None``: every eligible sample)."""
         rng = np.random.default_rng([self.seed, self.epoch, segment])
         bs_of_bucket = self.bucket_batch_sizes
@@ -289,26 +295,47 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
         steps = ids.reshape(-1, num_replicas)
         if self.balance == "cost" and self.shuffle:
             steps = steps[rng.permutation(steps.shape[0])]
-        return _Plan(idx, batch_start, batch_len, batch_bucket, cost, steps,
+        return EpochPlan(idx, batch_start, batch_len, batch_bucket, cost, steps,
                      padded_batches, padded_samples, dropped_batches, dropped_samples)
 
-    def _remaining_after(self, plan: _Plan, steps_taken: int) -> np.ndarray:
+    def _remaining_after(self, plan: EpochPlan, steps_taken: int) -> np.ndarray:
         """Sorted indices planned after step ``steps_taken`` and not seen before it."""
         rest = np.zeros(self.num_samples, dtype=bool)
         rest[plan.samples_of(plan.steps[steps_taken:].reshape(-1))] = True
         rest[plan.samples_of(plan.steps[:steps_taken].reshape(-1))] = False
         return np.flatnonzero(rest)
 
-    def _active_plan(self) -> _Plan:
+    def plan(self) -> EpochPlan:
+        """The plan this rank iterates now: the whole epoch, or after a resume under another world
+        size the part not yet trained. Built once and cached until the epoch, the policy or the
+        progress changes."""
         key = (self.epoch, tuple(self._segments), self.num_replicas, self.seed)
         if self._cache is not None and self._cache[0] == key:
             return self._cache[1]
         base = None
         for i, (w, k) in enumerate(self._segments):
-            base = self._remaining_after(self._build_plan(base, w, i), k)
+            closed = self._build_plan(base, w, i)
+            if k > closed.num_steps:
+                raise ValueError(
+                    f"The sampler state says {k} steps were taken in segment {i} of epoch {self.epoch} under "
+                    f"{w} ranks, but that segment's plan has {closed.num_steps}. The state does not belong to "
+                    "this dataset and settings."
+                )
+            base = self._remaining_after(closed, k)
         plan = self._build_plan(base, self.num_replicas, len(self._segments))
+        if self._offset > plan.num_steps:
+            raise ValueError(
+                f"The sampler state says {self._offset} steps were taken in epoch {self.epoch}, but its plan "
+                f"has {plan.num_steps}. The state does not belong to this dataset and settings."
+            )
+        self.plans_built += 1
         self._cache = (key, plan)
         return plan
+
+    @property
+    def is_fresh(self) -> bool:
+        """True at the start of an epoch that no resume state has advanced."""
+        return not self._segments and self._offset == 0
 
     # ------------------------------------------------------------------ sampler protocol
     def set_epoch(self, epoch: int) -> None:
@@ -330,12 +357,12 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
 
         Lightning's loop counters continue across a resume, so they need the epoch total.
         """
-        return sum(k for _, k in self._segments) + self._active_plan().num_steps
+        return sum(k for _, k in self._segments) + self.plan().num_steps
 
     def __iter__(self) -> Iterator[list[int]]:
         if self._finished:
             self._reset_progress()
-        plan = self._active_plan()
+        plan = self.plan()
         if plan.num_steps == 0 and not self._segments:
             warnings.warn(
                 f"{type(self).__name__} plans 0 steps for {self.num_samples} samples on {self.num_replicas} "
@@ -353,14 +380,25 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
         self._finished = True
 
     # ------------------------------------------------------------------ state
-    def _fingerprint(self) -> str:
+    def _settings(self) -> dict[str, Any]:
         cm = self.cost_model
-        desc = {
+        return {
             "policy": self.policy.to_dict(), "balance": self.balance, "shuffle": self.shuffle,
             "drop_last": self.drop_last,
             "cost_model": cm.to_json() if callable(getattr(cm, "to_json", None)) else type(cm).__name__,
         }
-        return hashlib.sha1(json.dumps(desc, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def _fingerprint(self) -> str:
+        return hashlib.sha1(json.dumps(self._settings(), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def shapes_fingerprint(self) -> str:
+        """Hash of every sample's token grid, in dataset order (cheap: 2 bytes a sample)."""
+        if self._shapes_digest is None:
+            h = hashlib.blake2b(digest_size=8)
+            h.update(np.ascontiguousarray(self.bucket_grids).tobytes())
+            h.update(np.ascontiguousarray(self._bucket_of).tobytes())
+            self._shapes_digest = h.hexdigest()
+        return self._shapes_digest
 
     def state_dict(self, steps_taken: int | None = None) -> dict[str, Any]:
         """Resume state.
@@ -372,7 +410,7 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
                 counts what it has yielded, which runs ahead of training when DataLoader workers
                 prefetch.
         """
-        plan = self._active_plan()
+        plan = self.plan()
         closed = sum(k for _, k in self._segments)
         if steps_taken is None:
             active = plan.num_steps if self._finished else self._offset + self._yielded
@@ -385,41 +423,84 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
                 )
         segments = [list(s) for s in self._segments] + [[self.num_replicas, active]]
         return {"version": _STATE_VERSION, "epoch": self.epoch, "seed": self.seed, "segments": segments,
-                "num_samples": self.num_samples, "fingerprint": self._fingerprint()}
+                "num_samples": self.num_samples, "fingerprint": self._fingerprint(),
+                "settings": json.loads(json.dumps(self._settings(), default=str)),
+                "shapes": self.shapes_fingerprint()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`, possibly saved under a different ``num_replicas``.
 
+        Every field is type- and range-checked before anything changes.
+
         Raises:
-            ValueError: the dataset size or the plan settings (policy, balance, shuffle, drop_last,
-                cost model) differ from those at save time, so the samples already seen cannot be
-                reconstructed.
+            ValueError: a field is missing, of the wrong type or out of range; or the dataset (its size
+                or any sample's token grid), the seed or the plan settings (policy, balance, shuffle,
+                drop_last, cost model) differ from those at save time, so the samples already seen
+                cannot be reconstructed. The message names the field that differs.
         """
-        n = state.get("num_samples", self.num_samples)
+        if not isinstance(state, dict):
+            raise ValueError(f"The sampler state is a {type(state).__name__}, not a dict.")
+        version = state.get("version")
+        if version not in _READABLE_STATE_VERSIONS:
+            raise ValueError(
+                f"The sampler state has version={version!r}; this release reads versions {_READABLE_STATE_VERSIONS}."
+            )
+
+        def _int(name: str, value: Any, low: int) -> int:
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                raise ValueError(f"The sampler state has {name}={value!r}; expected an integer >= {low}.")
+            return int(value)
+
+        n = _int("num_samples", state.get("num_samples"), 1)
         if n != self.num_samples:
             raise ValueError(
-                f"The sampler state was saved for {n} samples but the dataset has {self.num_samples}. "
+                f"The sampler state has num_samples={n} but the dataset has {self.num_samples}. "
                 "Resume with the same dataset, or from an end-of-epoch checkpoint without the loader state."
+            )
+        shapes = state.get("shapes")
+        if shapes is not None and shapes != self.shapes_fingerprint():
+            raise ValueError(
+                "The sampler state's `shapes` fingerprint differs: the dataset has as many samples as at save "
+                "time, but some token grids changed, so the samples already seen this epoch cannot be "
+                "reconstructed. Resume with the same dataset, or from an end-of-epoch checkpoint."
+            )
+        epoch = _int("epoch", state.get("epoch"), 0)
+        seed = _int("seed", state.get("seed"), 0)
+        if seed != self.seed:
+            raise ValueError(
+                f"The sampler state has seed={seed} but this run has seed={self.seed}; a mid-epoch resume "
+                f"needs the seed the epoch was planned with. Set the seed back to {seed} (`seed={seed}`), or "
+                "resume from an end-of-epoch checkpoint to change it."
             )
         fp = state.get("fingerprint")
         if fp is not None and fp != self._fingerprint():
+            saved = state.get("settings") or {}
+            now = json.loads(json.dumps(self._settings(), default=str))
+            differ = [k for k in now if k in saved and saved[k] != now[k]] or ["policy/cost model"]
+            detail = "; ".join(f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}" for k in differ if k in saved)
             raise ValueError(
-                "The sampler state was saved with a different policy, balance, shuffle, drop_last or "
-                f"cost model than the current {self.policy!r} (balance={self.balance!r}); the samples "
-                "already seen this epoch cannot be reconstructed. Resume with the same settings."
+                f"The sampler state was saved with a different {', '.join(differ)} ({detail or 'not recorded'}); "
+                "the samples already seen this epoch cannot be reconstructed. Resume with the same settings."
             )
-        segments = [(int(w), int(k)) for w, k in state.get("segments", [])]
-        self.epoch = int(state.get("epoch", self.epoch))
-        self.seed = int(state.get("seed", self.seed))
+        raw = state.get("segments")
+        if not isinstance(raw, list) or not raw:
+            raise ValueError(f"The sampler state has segments={raw!r}; expected a non-empty list of [ranks, steps].")
+        segments = []
+        for i, seg in enumerate(raw):
+            if not isinstance(seg, (list, tuple)) or len(seg) != 2:
+                raise ValueError(f"The sampler state has segments[{i}]={seg!r}; expected [ranks, steps].")
+            segments.append((_int(f"segments[{i}][0] (ranks)", seg[0], 1), _int(f"segments[{i}][1] (steps)", seg[1], 0)))
+        self.epoch = epoch
         self._reset_progress()
-        if segments:
-            *closed, (w, k) = segments
-            if w == self.num_replicas:
-                self._segments, self._offset = closed, k
-            else:
-                # A segment that took no step consumed nothing: leave it out.
-                self._segments = closed + ([(w, k)] if k else [])
+        *closed, (w, k) = segments
+        if w == self.num_replicas:
+            self._segments, self._offset = closed, k
+        else:
+            # A segment that took no step consumed nothing: leave it out.
+            self._segments = closed + ([(w, k)] if k else [])
         self._cache = None
+        # Range-check the steps against the plans they refer to now, not at the first batch.
+        self.plan()
 
     # ------------------------------------------------------------------ reporting
     @property
@@ -431,9 +512,7 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
         ``compute_cv`` (mean over steps of the CV of predicted per-rank cost), ``bubble``
         (1 - sum of step means / sum of step maxima), ``balance``, ``num_replicas``.
         """
-        from lightning_adaptiveload.bucketing.balance import summarize_step_loads
-
-        plan = self._active_plan()
+        plan = self.plan()
         loads = plan.batch_cost[plan.steps] if plan.num_steps else np.zeros((0, self.num_replicas))
         summary = summarize_step_loads(loads)
         return {

@@ -4,7 +4,8 @@ A training step on a DiT costs ``t(B, S)`` seconds for a batch of ``B`` samples 
 Two forms are supported:
 
 - ``"power"``: ``t = a + b·B·S^p`` — the paper's form; it maps one-to-one onto
-  :class:`~lightning_adaptiveload.bucketing.policy.DualConstraintPolicy` (``B·S^p ≤ M_comp``).
+  :class:`~lightning_adaptiveload.bucketing.policy.DualConstraintPolicy` (``B·S^p ≤ M_comp``; see
+  :mod:`lightning_adaptiveload.calibration.derive`, the one place a policy is derived).
 - ``"quadratic"``: ``t = a + B·(c1·S + c2·S²)`` — linear layers cost ∝ S, attention ∝ S², so this
   form tracks the switch from projection-bound images to attention-bound videos better.
 
@@ -22,13 +23,10 @@ import json
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from scipy.optimize import least_squares, nnls
-
-if TYPE_CHECKING:
-    from lightning_adaptiveload.bucketing.policy import CostModelPolicy, DualConstraintPolicy
 
 FORMS: tuple[str, ...] = ("power", "quadratic")
 PARAM_NAMES: dict[str, tuple[str, ...]] = {"power": ("a", "b", "p"), "quadratic": ("a", "c1", "c2")}
@@ -43,6 +41,8 @@ _P_BOUNDS = (0.5, 3.0)
 _MIN_SLOPE = 1e-9
 # Leave-one-out up to this many points, k-fold (deterministic folds) above.
 _LOO_MAX_POINTS = 24
+# A profiled step longer than a day is a broken clock or a unit error, not a measurement.
+_MAX_STEP_SECONDS = 86_400.0
 _KFOLD = 8
 
 
@@ -181,7 +181,6 @@ class CostModel:
 
         cm = CostModel.fit([1, 2, 4, 1, 2], [1560, 1560, 1560, 32760, 32760], times)
         cm.predict(2, 8190)          # seconds
-        policy = cm.policy(m_mem=65_520)
     """
 
     form: str
@@ -231,6 +230,13 @@ class CostModel:
         if form not in (*FORMS, "auto"):
             raise ValueError(f"`CostModel.fit(form={form!r})` is not valid. Expected one of {(*FORMS, 'auto')}.")
         b, s, t = _validate_points(batch_sizes, seq_lens, times, "times")
+        absurd = np.flatnonzero(t > _MAX_STEP_SECONDS)
+        if absurd.size:
+            i = int(absurd[0])
+            raise ValueError(
+                f"`times[{i}]={float(t[i])!r}` s (B={b[i]:g}, S={s[i]:g}) is not a plausible step time (above "
+                f"{_MAX_STEP_SECONDS:g} s). Times are seconds per step; re-profile or drop that measurement."
+            )
         n_params = 3
         if len(t) < n_params + 1:
             raise ValueError(
@@ -269,41 +275,6 @@ class CostModel:
         s = np.asarray(seq_len, dtype=np.float64)
         out = _predict(self.form, np.array(list(self.params.values())), b, s)
         return float(out) if out.ndim == 0 else out
-
-    def policy(self, m_mem: int, step_budget: float | None = None) -> DualConstraintPolicy | CostModelPolicy:
-        """The batch-size policy this model implies.
-
-        Args:
-            m_mem: Token budget per batch from memory (``B·S ≤ m_mem``).
-            step_budget: Target step time in seconds. ``None`` uses the time of one sample of ``m_mem``
-                tokens (the longest sequence memory allows then runs at ``B = 1``).
-
-        Returns:
-            ``DualConstraintPolicy(m_mem, m_comp, p)`` with ``m_comp = (step_budget - a) / b`` for the
-            ``"power"`` form (so ``B·S^p ≤ m_comp`` ⇔ predicted time ≤ budget), else
-            ``CostModelPolicy(self, m_mem, step_budget)``.
-
-        Raises:
-            ValueError: If ``m_mem`` is not a positive integer or the budget is not above the
-                fixed overhead ``a``.
-        """
-        from lightning_adaptiveload.bucketing.policy import CostModelPolicy, DualConstraintPolicy
-
-        if int(m_mem) != m_mem or m_mem < 1:
-            raise ValueError(f"`CostModel.policy(m_mem={m_mem!r})` is not valid. Expected a positive integer.")
-        m_mem = int(m_mem)
-        if step_budget is None:
-            step_budget = float(self.predict(1, m_mem))
-        a = self.params["a"]
-        if not math.isfinite(step_budget) or step_budget <= a:
-            raise ValueError(
-                f"`CostModel.policy(step_budget={step_budget!r})` is not valid: it must exceed the fixed step "
-                f"overhead a={a:.6g} s, or no batch fits. Raise the budget."
-            )
-        if self.form == "power":
-            m_comp = (step_budget - a) / self.params["b"]
-            return DualConstraintPolicy(m_mem, m_comp, self.params["p"])
-        return CostModelPolicy(self, m_mem, step_budget)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (see :meth:`to_json`)."""

@@ -1,15 +1,6 @@
-"""Load-imbalance metrics (as the AdaptiveLoad paper defines them) and a cluster simulator.
-
-Metrics, per synchronous training step over the ranks of the job:
-
-- compute imbalance rate = coefficient of variation (population std / mean) of per-rank compute load;
-- synchronisation overhead = coefficient of variation of per-rank step time;
-- bubble fraction = ``1 - mean / max`` of per-rank step time: the share of rank-time spent waiting
-  for the slowest rank.
-
-The simulator plans an epoch with :class:`~lightning_adaptiveload.bucketing.sampler.AdaptiveBucketBatchSampler`
-exactly as training would, predicts every rank's time for every step with a cost model, and reports
-those metrics and the predicted throughput (a step lasts as long as its slowest rank).
+"""Predict an epoch on a cluster: plan it with the sampler exactly as training would, time every
+rank's batch of every step with a cost model, and report the paper's imbalance metrics and the
+predicted throughput (a step lasts as long as its slowest rank).
 """
 
 from __future__ import annotations
@@ -20,13 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from lightning_adaptiveload.bucketing.policy import (
-    BatchSizePolicy,
-    CostPredictor,
-    DualConstraintPolicy,
-    EqualTokenPolicy,
-)
-from lightning_adaptiveload.bucketing.shapes import PATCH_SIZE, VAE_STRIDE, pixel_token_grids
+from lightning_adaptiveload.bucketing.metrics import summarize_step_loads
+from lightning_adaptiveload.bucketing.policy import BatchSizePolicy, CostPredictor, EqualTokenPolicy
+from lightning_adaptiveload.bucketing.sampler import AdaptiveBucketBatchSampler
+from lightning_adaptiveload.calibration.costmodel import CostModel
+from lightning_adaptiveload.geometry import PATCH_SIZE, VAE_STRIDE, pixel_token_grids
 
 # An H200-like full-model step-time model for a Wan 2.1 1.3B-like DiT, t = a + B·(c1·S + c2·S²)
 # seconds. Derived from one block measured at B·S = 65,520 tokens (~24 ms for 42 images of
@@ -35,53 +24,9 @@ from lightning_adaptiveload.bucketing.shapes import PATCH_SIZE, VAE_STRIDE, pixe
 DEFAULT_COST_PARAMS: dict[str, float] = {"a": 0.01, "c1": 8.68e-6, "c2": 1.482e-9}
 
 
-def default_cost_model() -> CostPredictor:
+def default_cost_model() -> CostModel:
     """The documented H200-like quadratic model (:data:`DEFAULT_COST_PARAMS`) as a ``CostModel``."""
-    from lightning_adaptiveload.costmodel import CostModel
-
     return CostModel(form="quadratic", params=dict(DEFAULT_COST_PARAMS))
-
-
-def _cv(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float64)
-    mean = x.mean(axis=-1)
-    std = x.std(axis=-1)
-    return np.divide(std, mean, out=np.zeros_like(mean), where=mean > 0)
-
-
-def compute_imbalance_rate(loads: Any) -> np.ndarray | float:
-    """CV of per-rank compute load in a step; ``loads`` is ``[ranks]`` or ``[steps, ranks]``."""
-    out = _cv(loads)
-    return float(out) if out.ndim == 0 else out
-
-
-def sync_overhead(step_times: Any) -> np.ndarray | float:
-    """CV of per-rank step time in a step; ``step_times`` is ``[ranks]`` or ``[steps, ranks]``."""
-    out = _cv(step_times)
-    return float(out) if out.ndim == 0 else out
-
-
-def bubble_fraction(step_times: Any) -> np.ndarray | float:
-    """``1 - mean / max`` of per-rank step time; ``[ranks]`` or ``[steps, ranks]``."""
-    t = np.asarray(step_times, dtype=np.float64)
-    mx = t.max(axis=-1)
-    out = 1.0 - np.divide(t.mean(axis=-1), mx, out=np.ones_like(mx), where=mx > 0)
-    return float(out) if out.ndim == 0 else out
-
-
-def summarize_step_loads(loads: np.ndarray) -> dict[str, float]:
-    """Aggregate per-step metrics of ``loads[steps, ranks]``.
-
-    Returns ``compute_cv`` (mean over steps of the per-step CV), ``max_compute_cv`` and ``bubble``
-    (``1 - sum_s mean_s / sum_s max_s``: the fraction of all rank-time spent waiting).
-    """
-    loads = np.asarray(loads, dtype=np.float64)
-    if loads.size == 0:
-        return {"compute_cv": 0.0, "max_compute_cv": 0.0, "bubble": 0.0}
-    cv = _cv(loads)
-    total_max = float(loads.max(axis=1).sum())
-    bubble = 1.0 - float(loads.mean(axis=1).sum()) / total_max if total_max > 0 else 0.0
-    return {"compute_cv": float(cv.mean()), "max_compute_cv": float(cv.max()), "bubble": bubble}
 
 
 @dataclass
@@ -147,11 +92,9 @@ def simulate(
         drop_last: as in the sampler.
         name: label for reports.
     """
-    from lightning_adaptiveload.bucketing.sampler import AdaptiveBucketBatchSampler
-
     sampler = AdaptiveBucketBatchSampler(shapes, policy, num_replicas=world_size, rank=0, seed=seed,
                                          drop_last=drop_last, balance=balance, cost_model=cost_model)
-    plan = sampler._active_plan()
+    plan = sampler.plan()
     times = plan.batch_cost[plan.steps]
     summary = summarize_step_loads(times)
     # Tokens and samples of distinct batches: padded repeats cost time but add no new data.
@@ -200,34 +143,12 @@ def mixture_token_grids(
     return np.repeat(grids, counts, axis=0)
 
 
-def fitted_dual_constraint(shapes: np.ndarray, cost_model: CostPredictor, m_mem: int) -> DualConstraintPolicy:
-    """The paper's policy for a corpus, derived from a cost model the way the shape benchmark does.
-
-    A power law ``a + b·B·S^p`` is fitted to ``cost_model``'s predictions on the corpus's sequence
-    lengths (B = 1 up to the memory limit), and the step budget is the predicted time of one sample
-    of the longest S, so the longest samples run at B = 1 and every bucket is capped at that time.
-    """
-    from lightning_adaptiveload.costmodel import CostModel
-
-    seq = np.unique(np.asarray(shapes, dtype=np.int64).prod(axis=1))
-    b_grid, s_grid = [], []
-    for s_len in seq:
-        top = max(1, m_mem // int(s_len))
-        bs = np.unique(np.geomspace(1, top, num=min(top, 6)).round().astype(np.int64))
-        b_grid += bs.tolist()
-        s_grid += [int(s_len)] * len(bs)
-    b_arr, s_arr = np.asarray(b_grid), np.asarray(s_grid)
-    power = CostModel.fit(b_arr, s_arr, np.asarray(cost_model.predict(b_arr, s_arr), dtype=float), form="power")
-    return power.policy(m_mem, float(power.predict(1, int(seq.max()))))
-
-
 def compare_policies(
     shapes: np.ndarray,
     world_sizes: Sequence[int],
     *,
+    dual: BatchSizePolicy,
     m_mem: int | None = None,
-    m_comp: float | None = None,
-    p: float = 2.0,
     cost_model: CostPredictor | None = None,
     seed: int = 0,
 ) -> list[SimulationResult]:
@@ -235,9 +156,9 @@ def compare_policies(
 
     Equal-token uses ``max_tokens = m_mem``; ``m_mem`` defaults to ``max(65,520, longest S)``
     (Wan 2.1 1.3B on an H200); ``cost_model`` defaults to :func:`default_cost_model` (H200-like).
-    Without ``m_comp`` the dual constraint comes from :func:`fitted_dual_constraint` (``p`` is then
-    fitted too); with it, ``DualConstraintPolicy(m_mem, m_comp, p)``. Samples longer than ``m_mem``
-    are left out of all three configurations so they plan the same data.
+    ``dual`` is the dual-constraint policy to compare, e.g. ``derive_policy(...).policy`` (the rule
+    the shape benchmark applies). Samples longer than ``m_mem`` are left out of all three
+    configurations so they plan the same data.
     """
     shapes = np.asarray(shapes, dtype=np.int64)
     seq = shapes.prod(axis=1)
@@ -246,10 +167,6 @@ def compare_policies(
     if len(shapes) == 0:
         raise ValueError(f"Every sample is longer than `m_mem={m_mem}` tokens; raise `m_mem`.")
     cm = cost_model if cost_model is not None else default_cost_model()
-    if m_comp is None:
-        dual = fitted_dual_constraint(shapes, cm, m_mem)
-    else:
-        dual = DualConstraintPolicy(m_mem, m_comp, p, oversize="skip")
     configs = [
         ("equal-token", EqualTokenPolicy(m_mem), "none"),
         ("dual-constraint", dual, "none"),

@@ -9,6 +9,12 @@ the slowest rank's time).
 Under DDP/FSDP a fast rank waits inside the gradient collectives, so *step* times even out and
 their CV understates imbalance; the forward pass has no gradient collective under DDP, so the
 forward-time CV and the predicted compute CV are the sharper signals there.
+
+Predicted compute uses the cost model the sampler balanced on (the DataModule's ``cost_model``,
+set by the shape benchmark) unless one is given, so the logged compute CV measures what the plan
+optimised. With the module's ``flops_per_sample(S)`` (see
+:mod:`lightning_adaptiveload.models.protocol`) it also logs model TFLOP/s per GPU and MFU against the
+device's dense bf16 peak.
 """
 
 from __future__ import annotations
@@ -23,19 +29,43 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
-from lightning_adaptiveload.bucketing.balance import bubble_fraction, compute_imbalance_rate, sync_overhead
+from lightning_adaptiveload.bucketing.metrics import bubble_fraction, compute_imbalance_rate, sync_overhead
 from lightning_adaptiveload.bucketing.policy import CostPredictor
-from lightning_adaptiveload.bucketing.shapes import PATCH_SIZE
+from lightning_adaptiveload.geometry import tokens_of
 
-_FIELDS = ("step_time", "forward_time", "compute", "tokens", "peak_mem")
+_FIELDS = ("step_time", "forward_time", "compute", "tokens", "peak_mem", "flops")
+# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by device name, for MFU. Others: pass `peak_tflops`.
+PEAK_BF16_TFLOPS: dict[str, float] = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0,
+                                      "L40S": 362.0, "B200": 2250.0}
 
 
-def _batch_shape(batch: Any, patch_size: tuple[int, int, int]) -> tuple[int, int]:
-    """(B, S) of a batch with ``latents [B, C, F, H, W]``; S counts tokens after patchify."""
+def _device_peak_tflops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def batch_shape_of(pl_module: Any, batch: Any) -> tuple[int, int]:
+    """``(B, S)`` of a batch: the module's ``batch_shape(batch)``, else its ``latents`` and the module's
+    ``patch_size``.
+
+    Raises:
+        AttributeError: the module has neither ``batch_shape`` nor ``patch_size`` (tokens cannot be
+            counted without knowing the patch).
+    """
+    fn = getattr(pl_module, "batch_shape", None)
+    if callable(fn):
+        b, s = fn(batch)
+        return int(b), int(s)
+    patch = getattr(pl_module, "patch_size", None)
+    if patch is None:
+        raise AttributeError(
+            f"{type(pl_module).__name__} has neither `batch_shape(batch)` nor `patch_size`: the number of tokens "
+            "of a batch is unknown. Implement `batch_shape` (see lightning_adaptiveload.models.protocol)."
+        )
     latents = batch["latents"] if isinstance(batch, dict) else batch[0]
-    b, _, f, h, w = latents.shape
-    pt, ph, pw = patch_size
-    return int(b), int((f // pt) * (h // ph) * (w // pw))
+    return tokens_of(latents, tuple(patch))
 
 
 class BalanceMonitor(Callback):
@@ -43,20 +73,26 @@ class BalanceMonitor(Callback):
 
     Logged keys (every ``log_every_n_steps`` optimizer steps): ``balance/step_time_cv``,
     ``balance/forward_time_cv``, ``balance/compute_cv``, ``balance/bubble``, ``balance/tokens_per_s``,
-    ``balance/peak_mem_gb`` (max over ranks). At the end of fit, rank 0 prints a balance report
-    (rich table, one row per rank, plus the run's means).
+    ``balance/peak_mem_gb`` (max over ranks) and, when the module has ``flops_per_sample``,
+    ``balance/tflops_per_gpu`` and ``balance/mfu``. At the end of fit, rank 0 prints a balance report
+    (rich table, one row per rank, plus the run's means over the steps after ``warmup_steps``).
 
     Args:
         log_every_n_steps: log every this many training batches (positive integer).
-        cost_model: ``predict(B, S)`` for the predicted compute of a batch; without one,
-            ``B * S**p``.
+        cost_model: ``predict(B, S)`` for the predicted compute of a batch; ``None``: the
+            DataModule's ``cost_model`` if it has one, else ``B * S**p``.
         p: exponent of S for the compute estimate without a cost model.
         synchronize: call ``torch.cuda.synchronize()`` before reading the clock on CUDA, so times
             cover the kernels and not only their launch.
         print_report: print the end-of-fit report on rank 0.
+        warmup_steps: steps at the start of fit left out of :meth:`summary` and the report (compile,
+            allocator and cuDNN warm-up).
+        peak_tflops: the device's peak for MFU; ``None``: dense bf16 of known GPUs
+            (:data:`PEAK_BF16_TFLOPS`), no MFU elsewhere.
 
     Raises:
-        ValueError: a non-positive ``log_every_n_steps`` or ``p``.
+        ValueError: a non-positive ``log_every_n_steps``, ``p`` or ``peak_tflops``, or a negative
+            ``warmup_steps``.
 
     Example::
 
@@ -70,6 +106,8 @@ class BalanceMonitor(Callback):
         p: float = 2.0,
         synchronize: bool = True,
         print_report: bool = True,
+        warmup_steps: int = 0,
+        peak_tflops: float | None = None,
     ) -> None:
         if not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
             raise ValueError(
@@ -77,8 +115,19 @@ class BalanceMonitor(Callback):
             )
         if not p > 0:
             raise ValueError(f"`BalanceMonitor(p={p!r})` is not valid. Expected a positive number.")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"`BalanceMonitor(warmup_steps={warmup_steps!r})` is not valid. Expected an integer >= 0.")
+        if peak_tflops is not None and not peak_tflops > 0:
+            raise ValueError(f"`BalanceMonitor(peak_tflops={peak_tflops!r})` is not valid. Expected TFLOP/s > 0.")
         self.log_every_n_steps = log_every_n_steps
         self.cost_model = cost_model
+        self.warmup_steps = warmup_steps
+        self.peak_tflops = peak_tflops
+        self._peak_tflops: float | None = peak_tflops
+        self._active_cost_model: CostPredictor | None = cost_model
+        self._seen = 0
+        #: Per-step rows ``[ranks, fields]`` of every step after the warm-up (for benchmarks).
+        self.history: list[np.ndarray] = []
         self.p = float(p)
         self.synchronize = synchronize
         self.print_report = print_report
@@ -88,12 +137,14 @@ class BalanceMonitor(Callback):
         self._reset_totals(0)
 
     def _reset_totals(self, world_size: int) -> None:
+        self.history = []
         self._per_rank_sum = np.zeros((world_size, len(_FIELDS)))
         self._peak = np.zeros(world_size)
         self._metric_sums: dict[str, float] = {}
         self._steps = 0
         self._sum_max_time = 0.0
         self._sum_tokens = 0.0
+        self._sum_flops = 0.0
 
     def _now(self, device: torch.device) -> float:
         if self.synchronize and device.type == "cuda":
@@ -104,6 +155,15 @@ class BalanceMonitor(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset_totals(trainer.world_size)
         self._t0 = self._t_fwd = None
+        self._seen = 0
+        self._peak_tflops = self.peak_tflops or _device_peak_tflops(pl_module.device)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After on_fit_start: the shape benchmark has set the DataModule's fitted cost model by now.
+        self._active_cost_model = self.cost_model
+        if self._active_cost_model is None:
+            self._active_cost_model = getattr(trainer.datamodule, "cost_model", None)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -119,8 +179,8 @@ class BalanceMonitor(Callback):
             self._t_fwd = self._now(pl_module.device)
 
     def _predicted_compute(self, b: int, s: int) -> float:
-        if self.cost_model is not None:
-            return float(self.cost_model.predict(b, s))
+        if self._active_cost_model is not None:
+            return float(self._active_cost_model.predict(b, s))
         return float(b) * float(s) ** self.p
 
     @override
@@ -132,20 +192,25 @@ class BalanceMonitor(Callback):
         step_time = end - self._t0
         forward_time = (self._t_fwd if self._t_fwd is not None else end) - self._t0
         self._t0 = None
-        b, s = _batch_shape(batch, tuple(getattr(pl_module, "patch_size", PATCH_SIZE)))
+        b, s = batch_shape_of(pl_module, batch)
         peak = torch.cuda.max_memory_allocated(pl_module.device) if pl_module.device.type == "cuda" else 0
-        local = torch.tensor([step_time, forward_time, self._predicted_compute(b, s), float(b * s), float(peak)],
-                             dtype=torch.float64, device=pl_module.device)
+        flops_fn = getattr(pl_module, "flops_per_sample", None)
+        flops = float(b) * float(flops_fn(s)) if callable(flops_fn) else 0.0
+        local = torch.tensor([step_time, forward_time, self._predicted_compute(b, s), float(b * s), float(peak),
+                              flops], dtype=torch.float64, device=pl_module.device)
         gathered = trainer.strategy.all_gather(local)
         rows = gathered.reshape(-1, len(_FIELDS)).cpu().numpy()
-        self._accumulate(rows)
+        self._seen += 1
+        self._accumulate(rows, counted=self._seen > self.warmup_steps)
         if (batch_idx + 1) % self.log_every_n_steps == 0:
             pl_module.log_dict(self.last_metrics, on_step=True, on_epoch=False, rank_zero_only=True)
 
-    def _accumulate(self, rows: np.ndarray) -> None:
+    def _accumulate(self, rows: np.ndarray, counted: bool = True) -> None:
+        if rows.shape[1] == len(_FIELDS) - 1:  # rows without FLOPs
+            rows = np.concatenate([rows, np.zeros((rows.shape[0], 1))], axis=1)
         if self._per_rank_sum.shape[0] != rows.shape[0]:
             self._reset_totals(rows.shape[0])
-        t, fwd, comp, tokens, peak = (rows[:, i] for i in range(len(_FIELDS)))
+        t, fwd, comp, tokens, peak, flops = (rows[:, i] for i in range(len(_FIELDS)))
         max_t = float(t.max())
         metrics = {
             "balance/step_time_cv": float(sync_overhead(t)),
@@ -155,7 +220,16 @@ class BalanceMonitor(Callback):
             "balance/tokens_per_s": float(tokens.sum() / max_t) if max_t > 0 else 0.0,
             "balance/peak_mem_gb": float(peak.max() / 2**30),
         }
+        if flops.sum() > 0 and max_t > 0:
+            # Model FLOPs of all ranks over the slowest rank's time, per GPU.
+            tflops = float(flops.sum() / max_t / len(t) / 1e12)
+            metrics["balance/tflops_per_gpu"] = tflops
+            if self._peak_tflops:
+                metrics["balance/mfu"] = tflops / self._peak_tflops
         self.last_metrics = metrics
+        if not counted:
+            return
+        self.history.append(rows.copy())
         for k, v in metrics.items():
             self._metric_sums[k] = self._metric_sums.get(k, 0.0) + v
         self._per_rank_sum += rows
@@ -163,6 +237,7 @@ class BalanceMonitor(Callback):
         self._steps += 1
         self._sum_max_time += max_t
         self._sum_tokens += float(tokens.sum())
+        self._sum_flops += float(flops.sum())
 
     def summary(self) -> dict[str, float]:
         """Run means: per-step CVs averaged; bubble and tokens/s from totals (time-weighted)."""
@@ -172,6 +247,11 @@ class BalanceMonitor(Callback):
         mean_time = self._per_rank_sum[:, 0].sum() / self._per_rank_sum.shape[0]
         out["bubble"] = 1.0 - mean_time / self._sum_max_time if self._sum_max_time > 0 else 0.0
         out["tokens_per_s"] = self._sum_tokens / self._sum_max_time if self._sum_max_time > 0 else 0.0
+        if self._sum_flops > 0 and self._sum_max_time > 0:
+            world = self._per_rank_sum.shape[0]
+            out["tflops_per_gpu"] = self._sum_flops / self._sum_max_time / world / 1e12
+            if self._peak_tflops:
+                out["mfu"] = out["tflops_per_gpu"] / self._peak_tflops
         out["peak_mem_gb"] = float(self._peak.max() / 2**30) if self._peak.size else 0.0
         out["steps"] = float(self._steps)
         return out
@@ -187,7 +267,8 @@ class BalanceMonitor(Callback):
         from rich.table import Table
 
         n = self._steps
-        table = Table(title=f"Balance report ({n} steps)")
+        skipped = f", after {self.warmup_steps} warm-up steps" if self.warmup_steps else ""
+        table = Table(title=f"Balance report ({n} steps{skipped})")
         for col in ("rank", "mean step s", "mean fwd s", "mean pred. compute", "tokens", "peak GiB"):
             table.add_column(col, justify="right")
         for r, row in enumerate(self._per_rank_sum):
@@ -196,7 +277,10 @@ class BalanceMonitor(Callback):
         s = self.summary()
         console = Console()
         console.print(table)
+        mfu = ""
+        if "tflops_per_gpu" in s:
+            mfu = f" | {s['tflops_per_gpu']:.0f} model TFLOP/s per GPU" + (f", MFU {s['mfu']:.1%}" if "mfu" in s else "")
         console.print(
             f"step-time CV {s['step_time_cv']:.2%} | forward CV {s['forward_time_cv']:.2%} | "
-            f"compute CV {s['compute_cv']:.2%} | bubble {s['bubble']:.2%} | tokens/s {s['tokens_per_s']:,.0f}"
+            f"compute CV {s['compute_cv']:.2%} | bubble {s['bubble']:.2%} | tokens/s {s['tokens_per_s']:,.0f}{mfu}"
         )

@@ -21,8 +21,15 @@ from typing import Any
 
 import numpy as np
 
-from lightning_adaptiveload.bucketing.balance import SimulationResult, compare_policies, mixture_token_grids
-from lightning_adaptiveload.factories import load_cost_model
+from lightning_adaptiveload.bucketing.policy import DualConstraintPolicy
+from lightning_adaptiveload.calibration.derive import derive_policy
+from lightning_adaptiveload.calibration.record import load_cost_model
+from lightning_adaptiveload.calibration.simulate import (
+    SimulationResult,
+    compare_policies,
+    default_cost_model,
+    mixture_token_grids,
+)
 
 
 def load_mixture(spec: str) -> list[dict[str, Any]]:
@@ -58,18 +65,19 @@ def load_mixture(spec: str) -> list[dict[str, Any]]:
     return data
 
 
-def load_shapes(mixture: str | None, manifest: str | None, num_samples: int) -> np.ndarray:
+def load_shapes(mixture: str | None, manifest: str | None, num_samples: int,
+                vae_stride: Sequence[int] = (4, 8, 8), patch_size: Sequence[int] = (1, 2, 2)) -> np.ndarray:
     """Token grids from a mixture (``num_samples`` of them) or from a manifest's rows."""
     if (mixture is None) == (manifest is None):
         raise ValueError("Give exactly one of `--mixture` and `--manifest`.")
     if manifest is not None:
         from lightning_adaptiveload.data.manifest import read_manifest_shapes
 
-        grids, report = read_manifest_shapes(manifest)
+        grids, report = read_manifest_shapes(manifest, vae_stride=vae_stride, patch_size=patch_size)
         if report.num_skipped:
             print(f"manifest {manifest}: skipped {report.num_skipped} bad rows {report.skipped}")
         return np.asarray(grids, dtype=np.int64)
-    return mixture_token_grids(load_mixture(mixture), num_samples)
+    return mixture_token_grids(load_mixture(mixture), num_samples, vae_stride, patch_size)
 
 
 def render(results: Sequence[SimulationResult], title: str) -> None:
@@ -94,6 +102,13 @@ def render(results: Sequence[SimulationResult], title: str) -> None:
     console.print(table)
 
 
+def _triple(text: str) -> tuple[int, int, int]:
+    parts = text.replace("x", ",").split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not three positive integers, e.g. 1,2,2")
+    return tuple(int(p) for p in parts)  # type: ignore[return-value]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point (``adaptiveload-simulate``)."""
     parser = argparse.ArgumentParser(
@@ -105,22 +120,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     src.add_argument("--manifest", help="manifest file (JSONL/CSV/Parquet) whose shapes are simulated")
     parser.add_argument("--num-samples", type=int, default=200_000, help="samples drawn from a mixture")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[8, 16, 1024])
-    parser.add_argument("--cost-model", help="CostModel JSON; default: a documented H200-like quadratic model")
+    parser.add_argument("--patch-size", type=_triple, default=(1, 2, 2), help="DiT patch t,h,w (default 1,2,2)")
+    parser.add_argument("--vae-stride", type=_triple, default=(4, 8, 8), help="VAE stride t,h,w (default 4,8,8)")
+    parser.add_argument("--cost-model", help="CostModel or calibration JSON; default: a documented H200-like "
+                                             "quadratic model for Wan 2.1 1.3B")
     parser.add_argument("--m-mem", type=int, default=None,
-                        help="token budget per batch (default max(65520, longest S))")
-    parser.add_argument("--m-comp", type=float, default=None, help="compute budget; default: fitted from the cost model (B=1 at the longest S)")
+                        help="token budget per batch (default: max(65520, the data's longest S), printed)")
+    parser.add_argument("--m-comp", type=float, default=None,
+                        help="fixed compute budget of the dual constraint; default: derived from the cost model "
+                             "(the budget of highest predicted throughput)")
     parser.add_argument("--p", type=float, default=2.0, help="exponent of S in the compute constraint (with --m-comp)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     try:
-        shapes = load_shapes(args.mixture, args.manifest, args.num_samples)
+        shapes = load_shapes(args.mixture, args.manifest, args.num_samples, args.vae_stride, args.patch_size)
         cost_model = load_cost_model(args.cost_model, argument="--cost-model") if args.cost_model else None
-        results = compare_policies(shapes, args.world_sizes, m_mem=args.m_mem, m_comp=args.m_comp, p=args.p,
-                                   cost_model=cost_model, seed=args.seed)
+        seq = shapes.prod(axis=1)
+        m_mem = args.m_mem if args.m_mem is not None else max(65_520, int(seq.max()))
+        source = "--m-mem" if args.m_mem is not None else "default: max(65520, longest S)"
+        cm = cost_model if cost_model is not None else default_cost_model()
+        if args.m_comp is not None:
+            dual = DualConstraintPolicy(m_mem, args.m_comp, args.p, oversize="skip")
+        else:
+            dual = derive_policy(cm, shapes, m_mem, world_size=max(args.world_sizes), oversize="skip",
+                                 seed=args.seed).policy
+        results = compare_policies(shapes, args.world_sizes, dual=dual, m_mem=m_mem, cost_model=cm, seed=args.seed)
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
-    units = "CostModel" if cost_model is not None else "default H200-like cost model"
+    units = "your cost model" if cost_model is not None else "the default H200-like cost model"
+    print(f"M_mem = {m_mem:,} tokens ({source}); {int((seq > m_mem).sum())} samples above it left out")
+    print(f"equal-token: EqualTokenPolicy(max_tokens={m_mem}); dual constraint: {dual!r}")
+    for r in results:
+        if r.num_steps < 20:
+            print(f"warning: {r.world_size} ranks plan only {r.num_steps} steps for {r.samples} samples; "
+                  "padding and the last steps dominate, so the comparison says little. Simulate more samples.")
+            break
     render(results, f"{len(shapes):,} samples, {units}")
     if args.json:
         Path(args.json).write_text(json.dumps([r.to_dict() for r in results], indent=2))

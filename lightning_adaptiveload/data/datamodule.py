@@ -13,11 +13,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
-from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_adaptiveload.bucketing.policy import BatchSizePolicy, CostPredictor
 from lightning_adaptiveload.bucketing.sampler import AdaptiveBucketBatchSampler
+from lightning_adaptiveload.reporting import print_bucket_plan
 
 
 def _default_collate() -> Callable[[list[dict]], dict]:
@@ -29,8 +29,12 @@ def _default_collate() -> Callable[[list[dict]], dict]:
 class AdaptiveLoadDataModule(pl.LightningDataModule):
     """Dataset + batch-size policy + :class:`AdaptiveBucketBatchSampler`, with exact mid-epoch resume.
 
-    The sampler is built in :meth:`train_dataloader` with the rank and world size of the Trainer,
-    so every rank plans the same epoch and takes its own batches.
+    One sampler is built per (world size, rank) — lazily, the first time it is needed, with the
+    Trainer's rank and world size — so every rank plans the same epoch once and takes its own
+    batches. The policy given here may be a placeholder that a
+    :class:`~lightning_adaptiveload.callbacks.shape_benchmark.ShapeBenchmarkCallback` replaces: it is
+    checked against the data only when the sampler is built. When the train loader is built, rank 0
+    prints the bucket plan that will be trained (once per fit).
 
     The sampler is rank-aware itself, so Lightning must not wrap it in a ``DistributedSampler``:
     distributed runs need ``Trainer(use_distributed_sampler=False)``; :meth:`setup` raises a clear
@@ -45,10 +49,15 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         drop_last: drop (counted) instead of padding (counted) to keep ranks even.
         num_workers: DataLoader workers.
         pin_memory: DataLoader ``pin_memory``.
-        cost_model: ``predict(B, S)`` model used to balance steps.
+        cost_model: ``predict(B, S)`` model used to balance steps (the shape benchmark sets its fit).
         collate_fn: defaults to ``lightning_adaptiveload.data.collate.collate_batch``.
         persistent_workers: DataLoader ``persistent_workers`` (with ``num_workers > 0``).
         prefetch_factor: DataLoader ``prefetch_factor`` (with ``num_workers > 0``).
+        print_plan: print the bucket plan when the train loader is built.
+
+    Attributes:
+        policy: the batch-size policy in use.
+        cost_model: the cost model the sampler balances on (``None``: ``B·S^p``).
 
     Example::
 
@@ -73,18 +82,23 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         collate_fn: Callable[[list[dict]], dict] | None = None,
         persistent_workers: bool = False,
         prefetch_factor: int | None = None,
+        print_plan: bool = True,
     ) -> None:
         super().__init__()
+        name = type(self).__name__
         if not callable(getattr(dataset, "token_grids", None)):
             raise ValueError(
-                f"`AdaptiveLoadDataModule(dataset={type(dataset).__name__})` is not valid. The dataset must "
+                f"`{name}(dataset={type(dataset).__name__})` is not valid. The dataset must "
                 "implement `token_grids() -> int64 [N, 3]` (token grid per sample, from metadata)."
             )
-        if not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(
-                f"`AdaptiveLoadDataModule(num_workers={num_workers!r})` is not valid. "
-                "Expected a non-negative integer."
-            )
+        if not callable(getattr(policy, "batch_sizes", None)):
+            raise ValueError(f"`{name}(policy={policy!r})` is not valid. Expected a BatchSizePolicy.")
+        if balance not in ("cost", "none"):
+            raise ValueError(f"`{name}(balance={balance!r})` is not valid. Expected 'cost' or 'none'.")
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"`{name}(num_workers={num_workers!r})` is not valid. Expected a non-negative integer.")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"`{name}(seed={seed!r})` is not valid. Expected a non-negative integer.")
         self.dataset = dataset
         self.policy = policy
         self.balance = balance
@@ -97,21 +111,12 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         self.collate_fn = collate_fn
         self.persistent_workers = persistent_workers
         self.prefetch_factor = prefetch_factor
+        self.print_plan = print_plan
         self._shapes: np.ndarray | None = None
-        self.sampler: AdaptiveBucketBatchSampler | None = None
+        self._sampler: AdaptiveBucketBatchSampler | None = None
         self._pending_state: dict[str, Any] | None = None
-        self._iterated = False
-        # A probe sampler validates settings (oversize samples, bad grids) up front and serves
-        # `bucket_table()` before the Trainer exists.
-        self._probe = AdaptiveBucketBatchSampler(
-            self.shapes,
-            policy,
-            balance=balance,
-            seed=seed,
-            shuffle=shuffle,
-            drop_last=drop_last,
-            cost_model=cost_model,
-        )
+        self._drawn = False
+        self._printed = False
 
     @property
     def shapes(self) -> np.ndarray:
@@ -119,6 +124,11 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         if self._shapes is None:
             self._shapes = np.asarray(self.dataset.token_grids(), dtype=np.int64)
         return self._shapes
+
+    @property
+    def frozen(self) -> bool:
+        """True once training batches were drawn: the policy and cost model can no longer change."""
+        return self._drawn
 
     # ------------------------------------------------------------------ policy
     def set_policy(self, policy: BatchSizePolicy) -> None:
@@ -128,37 +138,61 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             RuntimeError: training batches were already drawn with the old policy.
         """
         self._check_mutable("set_policy")
-        self._probe.set_policy(policy)
         self.policy = policy
-        if self.sampler is not None:
-            self.sampler.set_policy(policy)
+        if self._sampler is not None:
+            self._sampler.set_policy(policy, self.cost_model)
 
     def set_cost_model(self, cost_model: CostPredictor | None) -> None:
         """Replace the cost model used to balance steps, before the first training epoch."""
         self._check_mutable("set_cost_model")
         self.cost_model = cost_model
-        self._probe.set_cost_model(cost_model)
-        if self.sampler is not None:
-            self.sampler.set_cost_model(cost_model)
+        if self._sampler is not None:
+            self._sampler.set_cost_model(cost_model)
 
     def _check_mutable(self, what: str) -> None:
-        if self._iterated:
+        if self._drawn:
             raise RuntimeError(
                 f"`AdaptiveLoadDataModule.{what}` was called after training batches were drawn; the epoch "
                 "plan cannot change mid-epoch. Call it before the first training epoch (e.g. in `on_fit_start`)."
             )
 
-    def bucket_table(self) -> list[dict[str, Any]]:
-        """Distinct token grids with sample counts and the batch size the current policy gives each."""
-        return self._probe.bucket_table()
-
-    # ------------------------------------------------------------------ Lightning hooks
+    # ------------------------------------------------------------------ the sampler
     def _world(self) -> tuple[int, int]:
         trainer = self.trainer
         if trainer is None:
             return 1, 0
         return int(trainer.world_size), int(trainer.global_rank)
 
+    @property
+    def sampler(self) -> AdaptiveBucketBatchSampler:
+        """This rank's sampler (built on first use for the Trainer's world size and rank)."""
+        world_size, rank = self._world()
+        s = self._sampler
+        if s is None or (s.num_replicas, s.rank) != (world_size, rank):
+            s = self.make_sampler(world_size, rank)
+            self._sampler = s
+        return s
+
+    def make_sampler(self, num_replicas: int = 1, rank: int = 0) -> AdaptiveBucketBatchSampler:
+        """A new batch sampler with this DataModule's dataset shapes, policy and settings (e.g. to
+        inspect the plan for another world size)."""
+        return AdaptiveBucketBatchSampler(
+            self.shapes,
+            self.policy,
+            num_replicas=num_replicas,
+            rank=rank,
+            seed=self.seed,
+            shuffle=self.shuffle,
+            drop_last=self.drop_last,
+            balance=self.balance,
+            cost_model=self.cost_model,
+        )
+
+    def bucket_table(self) -> list[dict[str, Any]]:
+        """Distinct token grids with sample counts and the batch size the current policy gives each."""
+        return self.sampler.bucket_table()
+
+    # ------------------------------------------------------------------ Lightning hooks
     def _check_trainer(self) -> None:
         trainer = self.trainer
         if trainer is None or trainer.world_size <= 1:
@@ -173,33 +207,19 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
 
     def setup(self, stage: str) -> None:
         self._check_trainer()
-
-    def make_sampler(self, num_replicas: int = 1, rank: int = 0) -> AdaptiveBucketBatchSampler:
-        """A batch sampler with this DataModule's dataset shapes, policy and settings."""
-        return AdaptiveBucketBatchSampler(
-            self.shapes,
-            self.policy,
-            num_replicas=num_replicas,
-            rank=rank,
-            seed=self.seed,
-            shuffle=self.shuffle,
-            drop_last=self.drop_last,
-            balance=self.balance,
-            cost_model=self.cost_model,
-        )
+        self._printed = False
 
     def train_dataloader(self) -> DataLoader:
         self._check_trainer()
-        world_size, rank = self._world()
-        sampler = self.make_sampler(world_size, rank)
+        sampler = self.sampler
         trainer = self.trainer
         if trainer is not None:
             sampler.set_epoch(trainer.fit_loop.epoch_progress.current.processed)
         if self._pending_state is not None and self._pending_state.get("epoch") == sampler.epoch:
-            sampler.load_state_dict(self._pending_state)
-        self.sampler = sampler
-        if sampler.epoch == 0 and not sampler._segments and sampler._offset == 0:
-            rank_zero_info(sampler.report())
+            self._load_sampler_state(sampler, self._pending_state)
+        if self.print_plan and not self._printed:
+            print_bucket_plan(sampler)
+            self._printed = True
         return _AdaptiveLoadDataLoader(
             self.dataset,
             batch_sampler=_TrackedBatchSampler(sampler, self),
@@ -220,21 +240,29 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
 
     def state_dict(self) -> dict[str, Any]:
-        if self.sampler is None:
+        if self._sampler is None:
             return {"sampler": self._pending_state} if self._pending_state is not None else {}
-        return {"sampler": self.sampler.state_dict(steps_taken=self._steps_taken())}
+        return {"sampler": self._sampler.state_dict(steps_taken=self._steps_taken())}
+
+    def _load_sampler_state(self, sampler: AdaptiveBucketBatchSampler, state: dict[str, Any]) -> None:
+        try:
+            sampler.load_state_dict(state)
+        except ValueError as err:
+            ckpt = getattr(self.trainer, "ckpt_path", None) if self.trainer is not None else None
+            where = f"checkpoint {ckpt}" if ckpt else "the restored checkpoint"
+            raise ValueError(f"Cannot resume the data order from {where}: {err}") from err
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state = state_dict.get("sampler")
         self._pending_state = state
-        if state is None or self.sampler is None:
+        if state is None or self._sampler is None:
             return
         # The loader already exists: the Trainer built it before restoring (a strategy that restores
         # after setup, with `estimated_stepping_batches` read in `configure_optimizers`; cf. Lightning
         # #20550) and may have prefetched from the unrestored plan. Load the state and make the fit loop
         # build the loader again so the iterator and its length follow the restored plan.
-        if state.get("epoch") == self.sampler.epoch:
-            self.sampler.load_state_dict(state)
+        if state.get("epoch") == self._sampler.epoch:
+            self._load_sampler_state(self._sampler, state)
         trainer = self.trainer
         if trainer is not None and getattr(trainer.fit_loop, "_combined_loader", None) is not None:
             trainer.fit_loop._combined_loader = None
@@ -272,5 +300,5 @@ class _TrackedBatchSampler:
 
     def __iter__(self):
         for batch in self.batch_sampler:
-            self._datamodule._iterated = True
+            self._datamodule._drawn = True
             yield batch

@@ -27,7 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file as load_safetensors
 from torch.utils.data import Dataset
 
-from lightning_adaptiveload.bucketing.shapes import PATCH_SIZE, VAE_STRIDE, pixel_token_grids
+from lightning_adaptiveload.geometry import PATCH_SIZE, VAE_STRIDE, pixel_token_grids
 from lightning_adaptiveload.data.media import (
     IMAGE_EXTENSIONS,
     LATENT_EXTENSIONS,

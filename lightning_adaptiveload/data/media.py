@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_adaptiveload.bucketing.shapes import PATCH_SIZE, VAE_STRIDE
+from lightning_adaptiveload.geometry import PATCH_SIZE, VAE_STRIDE
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 VIDEO_EXTENSIONS = (".mp4", ".mov", ".mkv", ".webm", ".avi")

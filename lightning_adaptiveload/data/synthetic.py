@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from lightning_adaptiveload.bucketing.shapes import PATCH_SIZE, VAE_STRIDE, pixel_token_grid
+from lightning_adaptiveload.geometry import PATCH_SIZE, VAE_STRIDE, pixel_token_grid
 from lightning_adaptiveload.data.mixtures import get_mixture
 
 _ENTRY_KEYS = ("num_frames", "height", "width")

@@ -17,9 +17,14 @@ def _shapes(seed, n):
     return GRIDS[rng.integers(0, len(GRIDS), n)]
 
 
-def _epoch(shapes, world, **kw):
+def _epoch(shapes, world, epoch=0, **kw):
     """All ranks' batches of one epoch: list over ranks of list of batches."""
-    return [list(AdaptiveBucketBatchSampler(shapes, POLICY, num_replicas=world, rank=r, **kw)) for r in range(world)]
+    out = []
+    for r in range(world):
+        s = AdaptiveBucketBatchSampler(shapes, POLICY, num_replicas=world, rank=r, **kw)
+        s.set_epoch(epoch)
+        out.append(list(s))
+    return out
 
 
 def _stats(shapes, world, **kw):
@@ -66,10 +71,15 @@ def test_plan_is_deterministic_and_epoch_dependent(args, balance):
     shapes = _shapes(seed, n)
     a = _epoch(shapes, world, seed=seed, balance=balance)
     assert a == _epoch(shapes, world, seed=seed, balance=balance)
+    # Another epoch is another plan (over all ranks; with 20+ samples a coincidence is ~impossible),
+    # and coming back to epoch 0 gives the first plan again.
+    b = _epoch(shapes, world, epoch=1, seed=seed, balance=balance)
+    if n > 20:
+        assert b != a
     s = AdaptiveBucketBatchSampler(shapes, POLICY, num_replicas=world, seed=seed, balance=balance)
     s.set_epoch(1)
-    if n > 20:
-        assert list(s) != a[0] or world > 1
+    s.set_epoch(0)
+    assert list(s) == a[0]
 
 
 def _resume_run(shapes, worlds_and_stops, balance, drop_last=False):
@@ -167,10 +177,67 @@ def test_state_dict_without_steps_counts_yielded_batches_and_epoch_end():
 def test_load_state_rejects_changed_dataset_or_policy():
     shapes = _shapes(0, 50)
     state = AdaptiveBucketBatchSampler(shapes, POLICY).state_dict(steps_taken=1)
-    with pytest.raises(ValueError, match="saved for 50 samples but the dataset has 49"):
+    with pytest.raises(ValueError, match="num_samples=50 but the dataset has 49"):
         AdaptiveBucketBatchSampler(shapes[:49], POLICY).load_state_dict(state)
-    with pytest.raises(ValueError, match="different policy"):
+    with pytest.raises(ValueError, match=r"different policy \(policy: saved .*dual_constraint.*now .*equal_token"):
         AdaptiveBucketBatchSampler(shapes, EqualTokenPolicy(256)).load_state_dict(state)
+
+
+def test_load_state_rejects_changed_shapes_with_the_same_size():
+    shapes = _shapes(0, 263)
+    state = AdaptiveBucketBatchSampler(shapes, POLICY).state_dict(steps_taken=3)
+    changed = shapes.copy()
+    changed[:10] = (1, 8, 8)
+    with pytest.raises(ValueError, match="`shapes` fingerprint differs"):
+        AdaptiveBucketBatchSampler(changed, POLICY).load_state_dict(state)
+    # The same shapes load.
+    AdaptiveBucketBatchSampler(shapes, POLICY).load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("segments", [[1, 500]], "says 500 steps were taken.*its plan has"),
+        ("segments", [[1, -3]], r"segments\[0\]\[1\] \(steps\)=-3"),
+        ("segments", [[0, 2]], r"segments\[0\]\[0\] \(ranks\)=0"),
+        ("segments", [[4, 500], [1, 0]], "segment 0 of epoch 0 under 4 ranks"),
+        ("segments", "x", "segments='x'"),
+        ("version", 99, "version=99"),
+        ("seed", 7, r"seed=7 but this run has seed=0.*`seed=7`"),
+        ("epoch", -1, "epoch=-1"),
+        ("num_samples", "50", "num_samples='50'"),
+    ],
+)
+def test_load_state_checks_every_field(field, value, match):
+    shapes = _shapes(0, 50)
+    state = AdaptiveBucketBatchSampler(shapes, POLICY).state_dict(steps_taken=1)
+    state[field] = value
+    s = AdaptiveBucketBatchSampler(shapes, POLICY)
+    with pytest.raises(ValueError, match=match):
+        s.load_state_dict(state)
+
+
+def test_version_1_states_still_load():
+    shapes = _shapes(0, 50)
+    state = AdaptiveBucketBatchSampler(shapes, POLICY).state_dict(steps_taken=2)
+    state = {k: v for k, v in state.items() if k not in ("shapes", "settings")}
+    state["version"] = 1
+    s = AdaptiveBucketBatchSampler(shapes, POLICY)
+    s.load_state_dict(state)
+    assert len(list(s)) == len(s) - 2
+
+
+def test_an_epoch_is_planned_once():
+    shapes = _shapes(0, 500)
+    s = AdaptiveBucketBatchSampler(shapes, POLICY, num_replicas=4)
+    assert s.plans_built == 0
+    n = len(s)
+    s.plan_stats, s.bucket_table(), s.report()
+    assert len(list(s)) == n
+    assert s.plans_built == 1
+    s.set_epoch(1)
+    list(s)
+    assert s.plans_built == 2
 
 
 def test_cost_balance_beats_none_on_predicted_cv():

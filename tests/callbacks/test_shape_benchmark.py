@@ -12,9 +12,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_adaptiveload.bucketing.policy import CostModelPolicy, DualConstraintPolicy
+from lightning_adaptiveload.calibration import derive_policy, plan_grid
+from lightning_adaptiveload.calibration.costmodel import CostModel
+from lightning_adaptiveload.calibration.record import Calibration
 from lightning_adaptiveload.callbacks import shape_benchmark as sb
-from lightning_adaptiveload.callbacks.shape_benchmark import ShapeBenchmarkCallback, _plan_shapes
-from lightning_adaptiveload.costmodel import CostModel
+from lightning_adaptiveload.callbacks.shape_benchmark import ShapeBenchmarkCallback
 
 GRIDS = np.array([(1, 2, 2), (1, 4, 4), (2, 4, 4), (3, 4, 6), (5, 6, 6)] * 3, dtype=np.int64)  # S 4..180
 
@@ -137,19 +139,6 @@ class FakeClock:
         return self.real() + self.offset
 
 
-def test_plan_shapes_rounds_spread_and_single_seq():
-    plan = _plan_shapes(GRIDS, None, max_shapes=3)
-    seqs = [int(np.prod(g)) for _, g in plan]
-    # S = 4, 32, 180 chosen (ends kept); the first pass runs every S at B = 1.
-    assert sorted(set(seqs)) == [4, 32, 180]
-    assert [b for b, _ in plan[:3]] == [1, 1, 1]
-    assert {(b, int(np.prod(g))) for b, g in plan} == {(1, 4), (9, 4), (90, 4), (1, 32), (3, 32), (11, 32),
-                                                          (1, 180), (2, 180)}
-    assert max(b * s for (b, _), s in zip(plan, seqs, strict=True)) <= 2 * 180 * 2
-    plan = _plan_shapes(np.array([[2, 4, 6]] * 4), [1, 4], max_shapes=8)
-    assert plan == [(1, (2, 4, 3)), (1, (2, 4, 6)), (4, (2, 4, 3)), (4, (2, 4, 6))]
-
-
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -159,6 +148,7 @@ def test_plan_shapes_rounds_spread_and_single_seq():
         ({"repeats": 0}, "repeats=0"),
         ({"warmup": -1}, "warmup=-1"),
         ({"time_budget_s": 0}, "time_budget_s=0"),
+        ({"shape_time_s": -1}, "shape_time_s=-1"),
         ({"form": "cubic"}, "form='cubic'"),
         ({"memory_margin": 1.0}, "memory_margin=1.0"),
         ({"step_budget_s": -1.0}, "step_budget_s=-1.0"),
@@ -182,12 +172,12 @@ def test_profiles_sets_policy_before_dataloader_and_leaves_no_trace(tmp_path):
     assert dm.events[:3] == ["set_cost_model", "set_policy", "train_dataloader"]
     assert isinstance(dm.cost_model, CostModel) and dm.policy is cb.policy
     assert isinstance(dm.policy, (DualConstraintPolicy, CostModelPolicy))
-    # Default step budget: one sample at the longest S; on CPU M_mem is the largest token count run.
-    assert cb.constants["step_budget_s"] == pytest.approx(dm.cost_model.predict(1, 180))
-    assert dm.policy.batch_size(180) == 1
-    assert cb.constants["m_mem"] == 360
+    # The one rule: the policy is derive_policy's for this corpus; on CPU M_mem is the largest token count run.
+    assert cb.derivation.m_mem == 360
+    assert cb.derivation.budget_source == "max predicted throughput"
+    assert repr(dm.policy) == repr(derive_policy(dm.cost_model, GRIDS, 360).policy)
     profiled = after.calls - before.calls
-    assert profiled == len(_plan_shapes(GRIDS, None, 8)) * 3  # warm-up + repeats per shape
+    assert profiled == len(plan_grid(GRIDS, None, 8)) * 3  # warm-up + repeats per shape
 
     for k, v in before.params.items():
         assert torch.equal(v, after.params[k]), k
@@ -203,6 +193,7 @@ def test_profiles_sets_policy_before_dataloader_and_leaves_no_trace(tmp_path):
 
     record = json.loads((tmp_path / "bench" / "shape_benchmark.json").read_text())
     assert record["derived"]["m_mem"] == 360
+    assert record["derived"]["predicted"]["tokens_per_s"] > 0 and record["derived"]["baseline"]["tokens_per_s"] > 0
     assert {m["status"] for m in record["measurements"]} == {"ok"}
     assert CostModel.from_dict(record["cost_model"]) == dm.cost_model
     assert (tmp_path / "bench" / "shape_benchmark.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -247,9 +238,9 @@ def test_time_budget_stops_after_first_pass(tmp_path, monkeypatch):
     dm = TinyDataModule()
     with pytest.warns(UserWarning, match="time budget"):
         _trainer(tmp_path, cb).fit(model, datamodule=dm)
-    record = json.loads(cb._calibration)
+    ran = [m for m in cb.calibration.measurements if m.status != "skipped"]
     # Five sequence lengths at B = 1 (the first pass always completes), nothing more.
-    assert [m["batch_size"] for m in record["measurements"]] == [1] * 5
+    assert [m.batch_size for m in ran] == [1] * 5
     assert dm.cost_model is not None
 
 
@@ -263,14 +254,14 @@ def test_out_of_memory_shape_recorded_and_skipped(tmp_path):
     model.hook = oom
     cb, dm, after = _cb(tmp_path, batch_sizes=[1, 2, 4]), TinyDataModule(), Snapshot()
     _trainer(tmp_path, cb, after).fit(model, datamodule=dm)
-    status = {(m["batch_size"], m["seq_len"]): m["status"] for m in json.loads(cb._calibration)["measurements"]}
+    status = {(m.batch_size, m.seq_len): m.status for m in cb.calibration.measurements}
     assert status[(1, 180)] == "ok"
     assert status[(2, 180)] == "oom"
     assert status[(4, 180)] == "skipped"  # larger B at an S that ran out of memory is not tried
     assert status[(4, 72)] == "oom"
     assert status[(4, 32)] == "ok"
     # On CPU M_mem is the largest feasible token count (B·S = 180), below the smallest OOM (4·72).
-    assert cb.constants["m_mem"] == 180
+    assert cb.derivation.m_mem == 180
     assert dm.policy.batch_size(72) <= 2
     assert all(g is None for g in after.grads)  # the failed steps' gradients are gone too
 
@@ -279,23 +270,23 @@ def test_cache_reuse_and_force(tmp_path):
     cache = tmp_path / "cache"
     first = _cb(tmp_path, cache_dir=cache)
     _trainer(tmp_path, first).fit(TinyModule(), datamodule=TinyDataModule())
-    assert first.profiled and len(list(cache.glob("shape_benchmark_*.json"))) == 1
+    assert first.profiled and len(list(cache.glob("calibration_*.json"))) == 1
 
     second, model, dm = _cb(tmp_path, cache_dir=cache), TinyModule(), TinyDataModule()
     probe = Snapshot()
     _trainer(tmp_path, second, probe).fit(model, datamodule=dm)
     assert not second.profiled and probe.calls == 0
-    assert second._calibration == first._calibration
+    assert second.calibration.to_json() == first.calibration.to_json()
     assert dm.cost_model == first.cost_model and repr(dm.policy) == repr(first.policy)
 
     # Another model configuration is another key.
     other = _cb(tmp_path, cache_dir=cache)
     _trainer(tmp_path, other).fit(TinyModule(dim=12), datamodule=TinyDataModule())
-    assert other.profiled and len(list(cache.glob("shape_benchmark_*.json"))) == 2
+    assert other.profiled and len(list(cache.glob("calibration_*.json"))) == 2
 
     forced = _cb(tmp_path, cache_dir=cache, force=True)
     _trainer(tmp_path, forced).fit(TinyModule(), datamodule=TinyDataModule())
-    assert forced.profiled and forced._calibration != first._calibration
+    assert forced.profiled and forced.calibration.to_json() != first.calibration.to_json()
 
 
 def test_resume_from_checkpoint_does_not_profile(tmp_path):
@@ -311,7 +302,7 @@ def test_resume_from_checkpoint_does_not_profile(tmp_path):
     trainer = _trainer(tmp_path, resumed, probe, max_steps=4)
     trainer.fit(model, datamodule=dm2, ckpt_path=ckpt)
     assert not resumed.profiled and probe.calls == 0
-    assert resumed._calibration == first._calibration
+    assert resumed.calibration.to_json() == first.calibration.to_json()
     assert dm2.events[:3] == ["set_cost_model", "set_policy", "train_dataloader"]
     assert repr(dm2.policy) == repr(dm1.policy)
     assert trainer.global_step == 4
@@ -340,8 +331,8 @@ def test_resume_with_late_restoring_strategy(tmp_path, use_cache):
     # Without a cache Lightning's hook order forces a profile, but the checkpoint's calibration
     # is what the dataloader is built with.
     assert resumed.profiled is (not use_cache)
-    assert resumed._calibration == first._calibration
-    assert dm2.cost_model == first.cost_model
+    assert resumed.calibration.to_json() == first.calibration.to_json()
+    assert dm2.cost_model.to_json() == first.cost_model.to_json()
     last_policy = dm2.events.index("train_dataloader") - 1
     assert dm2.events[last_policy] == "set_policy"
     assert repr(dm2.policy) == repr(dm1.policy)
@@ -390,8 +381,7 @@ def test_real_tiny_model_and_datamodule(tmp_path):
     trainer = _trainer(tmp_path, cb, use_distributed_sampler=False)
     trainer.fit(model, datamodule=dm)
     assert cb.profiled and dm.policy is cb.policy
-    seq = dm.dataset.token_grids().prod(axis=1)
-    assert dm.policy.batch_size(int(seq.max())) == 1
+    assert cb.derivation.predicted["tokens_per_s"] >= 0.99 * cb.derivation.baseline["tokens_per_s"]
     assert trainer.global_step == 2
 
 
@@ -403,10 +393,10 @@ def test_real_tiny_model_on_gpu(tmp_path):
                       enable_progress_bar=False, default_root_dir=tmp_path, callbacks=[cb],
                       use_distributed_sampler=False)
     trainer.fit(model, datamodule=dm)
-    record = json.loads(cb._calibration)
-    assert record["device_memory"] > 0 and record["memory_model"] is not None
-    assert all(m["peak_bytes"] > 0 for m in record["measurements"] if m["status"] == "ok")
-    assert cb.constants["m_mem"] >= int(dm.dataset.token_grids().prod(axis=1).max())
+    cal = cb.calibration
+    assert cal.device_memory > 0 and cal.memory_model is not None
+    assert all(m.peak_bytes > 0 for m in cal.measurements if m.status == "ok")
+    assert cb.derivation.m_mem >= int(dm.dataset.token_grids().prod(axis=1).max())
     assert (tmp_path / "bench" / "shape_benchmark.png").exists()
 
 
@@ -420,3 +410,83 @@ def test_runs_through_a_wrapping_strategy(tmp_path):
     assert cb.profiled and after.calls == 6 * 3
     assert all(g is None for g in after.grads)
     assert trainer.global_step == 2
+
+
+class TinyModuleLR(TinyModule):
+    def __init__(self, lr: float = 1e-2, log_dir: str = "a") -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+
+def test_resume_with_other_hparams_and_world_size_keeps_the_calibration(tmp_path):
+    first, dm1 = _cb(tmp_path), TinyDataModule()
+    trainer = _trainer(tmp_path, first)
+    trainer.fit(TinyModuleLR(), datamodule=dm1)
+    ckpt = tmp_path / "run.ckpt"
+    trainer.save_checkpoint(ckpt)
+    state = torch.load(ckpt, weights_only=False)
+    cb_state = state["callbacks"]["ShapeBenchmarkCallback"]
+    assert "world_size" not in Calibration.from_json(cb_state["calibration"]).key
+    # The budgets the checkpoint trained with are applied as they are, whatever derive_policy would
+    # pick now (another world size picks another budget): edit them to see that they are used.
+    cb_state["derived"]["step_budget_s"] *= 0.5
+    torch.save(state, ckpt)
+
+    resumed, dm2, probe = _cb(tmp_path), TinyDataModule(), Snapshot()
+    trainer = _trainer(tmp_path, resumed, probe, max_steps=4)
+    trainer.fit(TinyModuleLR(lr=1e-3, log_dir="b"), datamodule=dm2, ckpt_path=ckpt)
+    assert not resumed.profiled and probe.calls == 0 and resumed.source == "checkpoint"
+    assert resumed.derivation.step_budget_s == pytest.approx(first.derivation.step_budget_s * 0.5)
+    assert resumed.derivation.budget_source == "given"
+
+
+def test_checkpoint_of_another_model_is_not_reused_and_says_why(tmp_path):
+    first = _cb(tmp_path)
+    trainer = _trainer(tmp_path, first)
+    trainer.fit(TinyModule(), datamodule=TinyDataModule())
+    ckpt = tmp_path / "run.ckpt"
+    trainer.save_checkpoint(ckpt)
+    state = torch.load(ckpt, weights_only=False)
+    resumed = _cb(tmp_path)
+    resumed.load_state_dict(state["callbacks"]["ShapeBenchmarkCallback"])
+    with pytest.warns(UserWarning, match="another setup \\(model architecture differ\\)"):
+        _trainer(tmp_path, resumed).fit(TinyModule(dim=12), datamodule=TinyDataModule())
+    assert resumed.profiled
+
+
+def test_pinned_calibration_file_is_used(tmp_path):
+    first = _cb(tmp_path)
+    _trainer(tmp_path, first).fit(TinyModule(), datamodule=TinyDataModule())
+    pinned, dm, probe = _cb(tmp_path, calibration=tmp_path / "bench" / "shape_benchmark.json"), TinyDataModule(), Snapshot()
+    _trainer(tmp_path, pinned, probe).fit(TinyModule(), datamodule=dm)
+    assert not pinned.profiled and probe.calls == 0
+    assert dm.cost_model.to_json() == first.cost_model.to_json()
+
+
+def test_mislabelled_synthetic_batch_is_caught_before_profiling(tmp_path):
+    class Mislabelled(TinyModule):
+        def synthetic_batch(self, batch_size, grid, device=None):
+            # Builds S·4 tokens, as a model that forgot the patch would.
+            return super().synthetic_batch(batch_size, (grid[0], grid[1] * 2, grid[2] * 2), device)
+
+        def batch_shape(self, batch):
+            return batch["x"].shape[0], batch["x"].shape[1]
+
+    with pytest.raises(Exception, match=r"batch_shape` is \(1, 16\); expected \(1, 4\)"):
+        _trainer(tmp_path, _cb(tmp_path)).fit(Mislabelled(), datamodule=TinyDataModule())
+
+
+def test_fixed_m_mem_skip_never_profiles_oversize_and_error_fails_first(tmp_path):
+    dm = TinyDataModule()
+    dm.policy = DualConstraintPolicy(64, 1e4, 2.0, oversize="skip")
+    model = TinyModule()
+    cb = _cb(tmp_path, m_mem=100)
+    _trainer(tmp_path, cb).fit(model, datamodule=dm)
+    assert max(m.seq_len for m in cb.calibration.measurements) <= 100
+    assert all(s <= 100 for _, s in model.calls[: len(cb.calibration.measurements) * 3])
+    assert dm.policy.oversize == "skip" and dm.policy.batch_size(180) == 0
+
+    dm, model = TinyDataModule(), TinyModule()
+    with pytest.raises(ValueError, match=r"S=180 tokens.*bucketing.policy.oversize=skip"):
+        _trainer(tmp_path, _cb(tmp_path, m_mem=100)).fit(model, datamodule=dm)
+    assert model.calls == []  # before any profiling

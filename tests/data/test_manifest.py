@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from lightning_adaptiveload.bucketing.shapes import pixel_token_grids
+from lightning_adaptiveload.geometry import pixel_token_grids
 from lightning_adaptiveload.data.collate import collate_batch
 from lightning_adaptiveload.data.manifest import ManifestDataset, read_manifest_shapes
 from lightning_adaptiveload.data.media import (

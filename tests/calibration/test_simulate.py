@@ -3,18 +3,15 @@ import json
 import numpy as np
 import pytest
 
-from lightning_adaptiveload.bucketing.balance import (
-    bubble_fraction,
+from lightning_adaptiveload.bucketing.policy import DualConstraintPolicy
+from lightning_adaptiveload.calibration.derive import derive_policy
+from lightning_adaptiveload.calibration.simulate import (
     compare_policies,
-    compute_imbalance_rate,
-    fitted_dual_constraint,
+    default_cost_model,
     mixture_token_grids,
     simulate,
-    summarize_step_loads,
-    sync_overhead,
 )
-from lightning_adaptiveload.bucketing.policy import DualConstraintPolicy
-from lightning_adaptiveload.bucketing.simulate import main
+from lightning_adaptiveload.cli.simulate import main
 
 MIXED = [
     {"num_frames": 1, "height": 480, "width": 832, "weight": 0.4},
@@ -23,19 +20,6 @@ MIXED = [
     {"num_frames": 49, "height": 480, "width": 832, "weight": 0.1},
     {"num_frames": 81, "height": 480, "width": 832, "weight": 0.2},
 ]
-
-
-def test_metrics_match_definitions():
-    x = np.array([1.0, 2.0, 3.0, 6.0])
-    cv = np.sqrt(((x - 3.0) ** 2).mean()) / 3.0
-    assert compute_imbalance_rate(x) == pytest.approx(cv)
-    assert sync_overhead(x) == pytest.approx(cv)
-    assert bubble_fraction(x) == pytest.approx(1 - 3.0 / 6.0)
-    steps = np.array([[1.0, 1.0], [1.0, 3.0]])
-    assert compute_imbalance_rate(steps).tolist() == pytest.approx([0.0, 0.5])
-    s = summarize_step_loads(steps)
-    assert s["compute_cv"] == pytest.approx(0.25)
-    assert s["bubble"] == pytest.approx(1 - (1 + 2) / (1 + 3))
 
 
 def test_mixture_token_grids_counts():
@@ -50,7 +34,8 @@ def test_mixture_token_grids_counts():
 def test_simulator_cost_beats_none_and_dual_beats_equal_token():
     shapes = mixture_token_grids(MIXED, 20_000)
     for world in (8, 64):
-        eq, dual, bal = compare_policies(shapes, [world], m_mem=65_520)
+        policy = derive_policy(default_cost_model(), shapes, 65_520, world_size=world).policy
+        eq, dual, bal = compare_policies(shapes, [world], dual=policy, m_mem=65_520)
         assert dual.compute_cv < eq.compute_cv
         assert dual.tokens_per_s > eq.tokens_per_s
         assert bal.compute_cv < 0.05 < dual.compute_cv
@@ -80,19 +65,15 @@ def test_cli_prints_table_and_writes_json(tmp_path, capsys):
         main(["--mixture", "no_such_mixture"])
 
 
-def test_fitted_dual_constraint_recovers_a_power_law_and_runs_the_longest_sample_alone():
-    from lightning_adaptiveload.costmodel import CostModel
-
-    shapes = mixture_token_grids(MIXED, 2_000)
-    seq = np.unique(shapes.prod(axis=1))
-    truth = CostModel(form="power", params={"a": 0.02, "b": 3e-9, "p": 1.7})
-    policy = fitted_dual_constraint(shapes, truth, m_mem=131_040)
-    assert isinstance(policy, DualConstraintPolicy)
-    assert policy.p == pytest.approx(1.7, rel=1e-3)
-    # The budget is one sample of the longest S: that bucket runs at B = 1, shorter ones fill it.
-    assert policy.batch_size(int(seq.max())) == 1
-    budget = float(truth.predict(1, int(seq.max())))
-    for s_len in seq:
-        b = policy.batch_size(int(s_len))
-        assert b == 1 or float(truth.predict(b, int(s_len))) <= budget * (1 + 1e-3)
-        assert b * s_len <= 131_040 or b == 1
+def test_cli_prints_m_mem_policies_and_warns_for_tiny_plans(capsys):
+    assert main(["--mixture", "wan_480p", "--num-samples", "64", "--world-sizes", "16",
+                 "--patch-size", "1,4,4"]) == 0
+    text = capsys.readouterr().out
+    assert "M_mem = 65,520 tokens (default: max(65520, longest S))" in text
+    assert "EqualTokenPolicy(max_tokens=65520)" in text and "dual constraint: " in text
+    assert "warning: 16 ranks plan only" in text
+    # The patch is applied: (21, 30, 52) latents-per-patch (1, 4, 4) is 21*15*26 tokens at most.
+    assert main(["--mixture", "wan_480p", "--num-samples", "64", "--world-sizes", "1", "--patch-size", "1,4,4",
+                 "--json", "/dev/null"]) == 0
+    with pytest.raises(SystemExit):
+        main(["--mixture", "wan_480p", "--patch-size", "1,2"])

@@ -4,8 +4,8 @@ import math
 import numpy as np
 import pytest
 
-from lightning_adaptiveload.bucketing.policy import CostModelPolicy, DualConstraintPolicy
-from lightning_adaptiveload.costmodel import CostModel, MemoryModel
+from lightning_adaptiveload.calibration.costmodel import CostModel, MemoryModel
+from lightning_adaptiveload.calibration.derive import policy_for_budget
 
 # Wan-like sequence lengths: images (1,30,52) up to 81-frame 480p video (21,30,52).
 SEQ = np.array([1560, 3120, 6240, 12480, 20280, 32760])
@@ -74,13 +74,28 @@ def test_auto_picks_generating_form(seed):
     assert by_power.quality["heldout_power"] < by_power.quality["heldout_quadratic"]
 
 
-def test_kfold_used_for_many_points():
+def test_kfold_used_for_many_points(monkeypatch):
+    from lightning_adaptiveload.calibration import costmodel
+
     rng = np.random.default_rng(3)
     b = rng.integers(1, 16, size=60)
     s = rng.choice(SEQ, size=60)
-    cm = CostModel.fit(b, s, _noisy(_quadratic(b, s), seed=3), form="auto")
-    assert cm.form == "quadratic"
+    t = _noisy(_quadratic(b, s), seed=3)
+    calls = []
+    real = costmodel._fit_params
+    monkeypatch.setattr(costmodel, "_fit_params", lambda *a: calls.append(len(a[1])) or real(*a))
+    cm = CostModel.fit(b, s, t, form="quadratic")
     assert cm.quality["n_points"] == 60
+    # 8 deterministic folds (index % 8) plus the full fit, not 60 leave-one-out fits.
+    assert len(calls) == 1 + 8
+    assert sorted(calls[1:]) == sorted((60 - np.bincount(np.arange(60) % 8)).tolist())
+    folds = np.arange(60) % 8
+    errors = []
+    for k in range(8):
+        test = folds == k
+        fold = CostModel.fit(b[~test], s[~test], t[~test], form="quadratic")
+        errors.append(np.abs(fold.predict(b[test], s[test]) / t[test] - 1))
+    assert cm.quality["heldout_median_rel_error"] == pytest.approx(float(np.median(np.concatenate(errors))), rel=1e-6)
     assert 0 < cm.quality["heldout_median_rel_error"] < 0.03
 
 
@@ -171,49 +186,6 @@ def test_zero_slope_rejected():
         CostModel("quadratic", {"a": 1.0, "c1": 0.0, "c2": 0.0})
 
 
-def test_power_policy_has_exact_m_comp():
-    cm = CostModel("power", {"a": 0.01, "b": 2e-9, "p": 1.6})
-    budget = 0.02
-    policy = cm.policy(65520, step_budget=budget)
-    assert isinstance(policy, DualConstraintPolicy)
-    assert policy.m_mem == 65520
-    assert policy.p == 1.6
-    assert policy.m_comp == (budget - 0.01) / 2e-9
-    # B·S^p <= m_comp  <=>  predicted time <= budget, so every batch fits the budget.
-    s = np.array([1560, 6240, 32760])
-    bs = policy.batch_sizes(s)
-    assert bs.tolist() == [38, 4, 1]
-    # B = 1 is the floor even when one sample exceeds the budget (S = 32760 here).
-    assert np.all((cm.predict(bs, s) <= budget * (1 + 1e-12)) | (bs == 1))
-    assert np.all((cm.predict(bs + 1, s) > budget) | ((bs + 1) * s > 65520))
-
-
-def test_power_policy_default_budget_gives_b1_at_m_mem():
-    cm = CostModel("power", {"a": 0.01, "b": 2e-9, "p": 2.0})
-    policy = cm.policy(32760)
-    assert policy.m_comp == pytest.approx(32760.0**2, rel=1e-12)
-    assert policy.batch_size(32760) == 1
-
-
-def test_quadratic_policy_is_cost_model_policy():
-    cm = CostModel("quadratic", {"a": 0.005, "c1": 3e-7, "c2": 1e-11})
-    policy = cm.policy(65520, step_budget=0.2)
-    assert isinstance(policy, CostModelPolicy)
-    assert policy.cost_model is cm and policy.m_mem == 65520 and policy.step_budget == 0.2
-    s = np.array([1560, 32760])
-    bs = policy.batch_sizes(s)
-    assert np.all(cm.predict(bs, s) <= 0.2)
-    assert np.all((cm.predict(bs + 1, s) > 0.2) | ((bs + 1) * s > 65520))
-
-
-@pytest.mark.parametrize("m_mem, budget, match", [(0, None, "m_mem=0"), (1.5, None, "m_mem=1.5"),
-                                                   (100, 0.001, "overhead")])
-def test_policy_rejects_bad_inputs(m_mem, budget, match):
-    cm = CostModel("power", {"a": 0.01, "b": 2e-9, "p": 1.6})
-    with pytest.raises(ValueError, match=match):
-        cm.policy(m_mem, step_budget=budget)
-
-
 def test_memory_model_fit_and_budget():
     b, s = _grid()
     peak = 3e9 + 2e4 * b * s
@@ -249,4 +221,12 @@ def test_flat_timings_give_a_valid_nearly_flat_model(form):
     t = _noisy(np.full(b.shape, 0.01), rel=0.05, seed=4)
     cm = CostModel.fit(b, s, t, form=form)
     assert np.all(np.abs(cm.predict(b, s) / 0.01 - 1) < 0.2)
-    assert cm.policy(65520, step_budget=0.02).batch_size(1560) == 42  # memory alone binds
+    assert policy_for_budget(cm, 65520, 0.02).batch_size(1560) == 42  # memory alone binds
+
+
+def test_absurd_timings_get_a_clear_error():
+    b, s = _grid()
+    t = _power(b, s)
+    t[3] = 1e308
+    with pytest.raises(ValueError, match=r"times\[3\]=1e\+308.*not a plausible step time"):
+        CostModel.fit(b, s, t)

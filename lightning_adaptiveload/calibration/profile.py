@@ -1,0 +1,311 @@
+"""Time the real training step over a grid of (batch size, token grid) shapes.
+
+Lightning-free: the caller hands in a step factory (``make_step(B, grid) -> step()``, one forward +
+backward per call) and a :class:`Collectives` object, so the same loop serves the Lightning callback,
+a plain torch loop or a test with a fake clock.
+
+Per shape: ``warmup`` untimed steps, then up to ``repeats`` timed steps, the median kept, the
+maximum over ranks recorded. Every decision that ranks must share (out of memory, out of time) goes
+through the collectives, so all ranks run the same steps. Bounds:
+
+- a shape stops starting new steps once its own time reaches ``shape_time_s`` (at least one timed
+  step is kept; a step in flight is never interrupted);
+- the run stops starting new shapes once ``time_budget_s`` is spent and every sequence length has one
+  measurement (the first pass), and shapes after the first pass get at most the budget that is left;
+- a shape that runs out of memory on any rank ends that sequence length's larger batches, and when
+  it happens at B = 1 every longer sequence too (memory grows with tokens).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+_STATUSES = ("ok", "oom", "skipped")
+# Batch sizes tried per sequence length when none are given; the longest sequence gets B = 1, 2.
+DEFAULT_BATCHES_PER_SEQ = 3
+# A step slower than this reports each repetition, so a long shape never looks like a hang.
+_SLOW_STEP_S = 2.0
+
+
+class Collectives(Protocol):
+    """What profiling needs from the process group."""
+
+    def max(self, value: float) -> float:
+        """All-reduce maximum of a float over ranks."""
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+
+
+class LocalCollectives:
+    """One process: every collective is the identity."""
+
+    def max(self, value: float) -> float:
+        return float(value)
+
+    def broadcast(self, obj: Any) -> Any:
+        return obj
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One profiled shape: ``batch_size`` samples of token grid ``grid``."""
+
+    batch_size: int
+    grid: tuple[int, int, int]
+
+    @property
+    def seq_len(self) -> int:
+        return int(np.prod(self.grid))
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What profiling one shape gave. ``time_s`` is the median over timed steps, max over ranks.
+
+    ``status``: ``"ok"``, ``"oom"`` (some rank ran out of memory) or ``"skipped"`` (not run: a smaller
+    batch or a shorter sequence already ran out of memory, or the time budget was spent).
+    """
+
+    batch_size: int
+    grid: tuple[int, int, int]
+    seq_len: int
+    time_s: float | None
+    peak_bytes: int | None
+    status: str
+    timed_steps: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["grid"] = list(self.grid)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Measurement:
+        """Inverse of :meth:`to_dict`; raises ``ValueError`` naming the bad field."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a measurement is {type(data).__name__}, not an object")
+        try:
+            grid = tuple(int(v) for v in data["grid"])
+            b, s, status = int(data["batch_size"]), int(data["seq_len"]), data["status"]
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"a measurement lacks a valid batch_size, grid, seq_len or status ({err!r})") from err
+        if len(grid) != 3 or min(grid) < 1 or b < 1 or s != math.prod(grid) or status not in _STATUSES:
+            raise ValueError(f"measurement {data!r} is not consistent (grid, seq_len, batch_size, status)")
+        t = data.get("time_s")
+        if status == "ok" and not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
+            raise ValueError(f"measurement {data!r} has status 'ok' but time_s={t!r}")
+        peak = data.get("peak_bytes")
+        return cls(b, grid, s, None if t is None else float(t), None if peak is None else int(peak), status,
+                   int(data.get("timed_steps", 0)), float(data.get("seconds", 0.0)))
+
+
+def plan_grid(
+    grids: Any,
+    batch_sizes: Sequence[int] | None = None,
+    max_shapes: int = 8,
+    max_seq_len: int | None = None,
+) -> list[Shape]:
+    """(B, grid) pairs to profile, the smallest batch of every sequence length first.
+
+    Takes up to ``max_shapes`` distinct sequence lengths spread over the corpus's range, and for each
+    ``batch_sizes`` or, by default, up to three batch sizes from 1 to ``2·S_max / S``. Sequences
+    above ``max_seq_len`` (samples training will skip) are never profiled. Ordering by round (all
+    sequence lengths at their i-th batch size) means a time budget that runs out still leaves the
+    whole range of S covered.
+
+    Raises:
+        ValueError: no grid is left to profile.
+    """
+    grids = np.asarray(grids, dtype=np.int64).reshape(-1, 3)
+    if max_seq_len is not None:
+        grids = grids[grids.prod(axis=1) <= max_seq_len]
+    if len(grids) == 0:
+        raise ValueError(
+            "No sample is left to profile: every token grid is above the memory budget. Raise `m_mem` or use "
+            "shorter samples."
+        )
+    seq = grids.prod(axis=1)
+    uniq_s, first = np.unique(seq, return_index=True)
+    reps = [tuple(int(v) for v in grids[i]) for i in first]
+    if len(uniq_s) == 1:
+        # A single sequence length cannot identify the S-dependence; add a grid with half the
+        # tokens along the largest axis so the fit is defined (the policy only queries the real S).
+        f, h, w = reps[0]
+        axis = int(np.argmax([f, h, w]))
+        half = [f, h, w]
+        half[axis] = max(1, half[axis] // 2)
+        if tuple(half) != reps[0]:
+            reps.insert(0, tuple(half))
+            uniq_s = np.array([int(np.prod(half)), int(uniq_s[0])])
+    if len(reps) > max_shapes:
+        idx = np.unique(np.round(np.linspace(0, len(reps) - 1, max_shapes)).astype(int))
+        reps = [reps[i] for i in idx]
+        uniq_s = uniq_s[idx]
+    s_max = int(uniq_s.max())
+    per_s: list[list[int]] = []
+    for s in uniq_s:
+        if batch_sizes is not None:
+            per_s.append(sorted({int(b) for b in batch_sizes}))
+        else:
+            b_max = max(1, (2 * s_max) // int(s))
+            per_s.append(sorted({int(round(b)) for b in np.geomspace(1, b_max, DEFAULT_BATCHES_PER_SEQ)}))
+    plan = []
+    for r in range(max(len(bs) for bs in per_s)):
+        for grid, bs in zip(reps, per_s, strict=True):
+            if r < len(bs):
+                plan.append(Shape(bs[r], grid))  # type: ignore[arg-type]
+    return plan
+
+
+@dataclass
+class MemoryProbe:
+    """Peak-memory hooks of a device (``None`` fields: not measured, e.g. on CPU)."""
+
+    reset: Callable[[], None] | None = None
+    peak: Callable[[], int] | None = None
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> MemoryProbe:
+        if device.type != "cuda":
+            return cls()
+        return cls(lambda: torch.cuda.reset_peak_memory_stats(device),
+                   lambda: int(torch.cuda.max_memory_allocated(device)))
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """True for the errors a too-large batch raises (CUDA's OOM; a CPU allocator's failure)."""
+    if isinstance(err, torch.cuda.OutOfMemoryError):
+        return True
+    return isinstance(err, RuntimeError) and "out of memory" in str(err).lower()
+
+
+def profile(
+    make_step: Callable[[int, tuple[int, int, int]], Callable[[], None]],
+    plan: Sequence[Shape],
+    *,
+    collectives: Collectives | None = None,
+    warmup: int = 1,
+    repeats: int = 5,
+    shape_time_s: float = 30.0,
+    time_budget_s: float = 300.0,
+    synchronize: Callable[[], None] | None = None,
+    memory: MemoryProbe | None = None,
+    on_oom: Callable[[], None] | None = None,
+    progress: Callable[[str], None] | None = None,
+    clock: Callable[[], float] | None = None,
+) -> list[Measurement]:
+    """Profile ``plan`` (see the module docstring) and return one :class:`Measurement` per shape.
+
+    Args:
+        make_step: builds the batch for ``(B, grid)`` and returns a callable running one training
+            step (forward + backward, no optimizer step) on it.
+        plan: shapes in profiling order (:func:`plan_grid`).
+        collectives: cross-rank max and broadcast; default: one process.
+        warmup: untimed steps per shape.
+        repeats: at most this many timed steps per shape (the median is kept).
+        shape_time_s: a shape starts no new step after this many seconds.
+        time_budget_s: no new shape after the first pass once this many seconds are spent.
+        synchronize: waits for the device (called around every timed step).
+        memory: peak-memory hooks; peaks are maxima over ranks.
+        on_oom: frees memory after an out-of-memory error (e.g. ``torch.cuda.empty_cache``).
+        progress: receives one line per shape (and per step of slow shapes); rank 0 prints it.
+        clock: seconds; default ``time.perf_counter`` (read at call time, so tests can patch it).
+
+    Raises:
+        ValueError: bad arguments.
+    """
+    for name, value, low in (("warmup", warmup, 0), ("repeats", repeats, 1)):
+        if isinstance(value, bool) or int(value) != value or value < low:
+            raise ValueError(f"`{name}={value!r}` is not valid. Expected an integer >= {low}.")
+    for name, value in (("shape_time_s", shape_time_s), ("time_budget_s", time_budget_s)):
+        if not (isinstance(value, (int, float)) and value > 0):
+            raise ValueError(f"`{name}={value!r}` is not valid. Expected seconds > 0.")
+    clock = clock or time.perf_counter
+    coll = collectives or LocalCollectives()
+    memory = memory or MemoryProbe()
+    sync = synchronize or (lambda: None)
+    say = progress or (lambda line: None)
+    n = len(plan)
+    first_pass = len({s.grid for s in plan})
+    oom_at: dict[int, int] = {}  # S -> smallest B that ran out of memory
+    oom_b1_seq: int | None = None  # shortest S that ran out of memory at B = 1
+    out: list[Measurement] = []
+    start = clock()
+    stopped = False
+    for i, shape in enumerate(plan):
+        b, grid, s = shape.batch_size, shape.grid, shape.seq_len
+        elapsed = clock() - start
+        if i >= first_pass and coll.broadcast(elapsed >= time_budget_s):
+            if not stopped:
+                say(f"time budget {time_budget_s:.0f} s spent after {i}/{n} shapes; fitting on those")
+            stopped = True
+        blocked = (s in oom_at and b >= oom_at[s]) or (oom_b1_seq is not None and s >= oom_b1_seq)
+        if stopped or blocked:
+            out.append(Measurement(b, grid, s, None, None, "skipped"))
+            continue
+        limit = shape_time_s if i < first_pass else max(1e-9, min(shape_time_s, time_budget_s - elapsed))
+        m = _profile_one(make_step, shape, coll, warmup, repeats, limit, sync, memory, on_oom, say,
+                         f"shape {i + 1}/{n}", clock)
+        out.append(m)
+        if m.status == "oom":
+            oom_at[s] = min(b, oom_at.get(s, b))
+            if b == 1:
+                oom_b1_seq = s if oom_b1_seq is None else min(oom_b1_seq, s)
+        done = clock() - start
+        eta = done / (i + 1) * (n - i - 1)
+        result = f"{m.time_s * 1e3:.1f} ms ({m.timed_steps} timed)" if m.status == "ok" else "out of memory"
+        say(f"shape {i + 1}/{n}: B={b} grid={grid} S={s:,}: {result} | elapsed {done:.0f} s, "
+            f"ETA {min(eta, max(time_budget_s - done, 0.0)):.0f} s")
+    return out
+
+
+def _profile_one(make_step, shape: Shape, coll: Collectives, warmup: int, repeats: int, limit: float,
+                 sync, memory: MemoryProbe, on_oom, say, label: str, clock) -> Measurement:
+    b, grid, s = shape.batch_size, shape.grid, shape.seq_len
+    times: list[float] = []
+    oom = False
+    t_shape = clock()
+    if memory.reset is not None:
+        memory.reset()
+    try:
+        step = make_step(b, grid)
+        for k in range(warmup + repeats):
+            # Ranks agree on whether to start another step: rank 0's clock decides.
+            spent = clock() - t_shape
+            if k > warmup and coll.broadcast(spent >= limit):
+                break
+            sync()
+            t0 = clock()
+            step()
+            sync()
+            dt = clock() - t0
+            if k >= warmup:
+                times.append(dt)
+            if dt >= _SLOW_STEP_S:
+                kind = f"warm-up {k + 1}/{warmup}" if k < warmup else f"timed {k - warmup + 1}/{repeats}"
+                say(f"  {label}: B={b} S={s:,} {kind}: {dt:.1f} s")
+        del step
+    except Exception as err:  # noqa: BLE001 - only out-of-memory is recovered, the rest re-raised
+        if not is_out_of_memory(err):
+            raise
+        oom = True
+    if oom:
+        gc.collect()
+        if on_oom is not None:
+            on_oom()
+    seconds = clock() - t_shape
+    if coll.max(float(oom)) > 0:
+        return Measurement(b, grid, s, None, None, "oom", 0, seconds)
+    t = coll.max(float(np.median(times)))
+    peak = None if memory.peak is None else int(coll.max(float(memory.peak())))
+    return Measurement(b, grid, s, t, peak, "ok", len(times), seconds)

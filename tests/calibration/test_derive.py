@@ -1,0 +1,131 @@
+import math
+
+import numpy as np
+import pytest
+
+from lightning_adaptiveload.bucketing.policy import CostModelPolicy, DualConstraintPolicy, EqualTokenPolicy
+from lightning_adaptiveload.calibration.costmodel import CostModel, MemoryModel
+from lightning_adaptiveload.calibration.derive import (
+    derive_policy,
+    fit_models,
+    memory_budget,
+    pending_optimizer_bytes,
+    policy_for_budget,
+)
+from lightning_adaptiveload.calibration.profile import Measurement
+from lightning_adaptiveload.calibration.simulate import mixture_token_grids, simulate
+
+MIXED = [
+    {"num_frames": 1, "height": 480, "width": 832, "weight": 0.4},
+    {"num_frames": 17, "height": 480, "width": 832, "weight": 0.15},
+    {"num_frames": 33, "height": 480, "width": 832, "weight": 0.15},
+    {"num_frames": 49, "height": 480, "width": 832, "weight": 0.1},
+    {"num_frames": 81, "height": 480, "width": 832, "weight": 0.2},
+]
+
+
+def test_power_policy_has_exact_m_comp():
+    cm = CostModel("power", {"a": 0.01, "b": 2e-9, "p": 1.6})
+    budget = 0.02
+    policy = policy_for_budget(cm, 65520, budget)
+    assert isinstance(policy, DualConstraintPolicy)
+    assert policy.m_mem == 65520 and policy.p == 1.6
+    assert policy.m_comp == (budget - 0.01) / 2e-9
+    # B·S^p <= m_comp  <=>  predicted time <= budget, so every batch fits the budget.
+    s = np.array([1560, 6240, 32760])
+    bs = policy.batch_sizes(s)
+    assert bs.tolist() == [38, 4, 1]
+    assert np.all((cm.predict(bs, s) <= budget * (1 + 1e-12)) | (bs == 1))
+    assert np.all((cm.predict(bs + 1, s) > budget) | ((bs + 1) * s > 65520))
+
+
+def test_quadratic_policy_is_cost_model_policy():
+    cm = CostModel("quadratic", {"a": 0.005, "c1": 3e-7, "c2": 1e-11})
+    policy = policy_for_budget(cm, 65520, 0.2, oversize="skip")
+    assert isinstance(policy, CostModelPolicy)
+    assert policy.cost_model is cm and policy.m_mem == 65520 and policy.step_budget == 0.2
+    assert policy.oversize == "skip"
+    s = np.array([1560, 32760])
+    bs = policy.batch_sizes(s)
+    assert np.all(cm.predict(bs, s) <= 0.2)
+    assert np.all((cm.predict(bs + 1, s) > 0.2) | ((bs + 1) * s > 65520))
+
+
+@pytest.mark.parametrize("m_mem, budget, match", [(0, 1.0, "m_mem=0"), (1.5, 1.0, "m_mem=1.5"),
+                                                   (100, 0.001, "overhead")])
+def test_policy_rejects_bad_inputs(m_mem, budget, match):
+    cm = CostModel("power", {"a": 0.01, "b": 2e-9, "p": 1.6})
+    with pytest.raises(ValueError, match=match):
+        policy_for_budget(cm, m_mem, budget)
+
+
+def test_large_fixed_cost_gives_large_batches_and_beats_equal_token():
+    # The CPU quickstart's regime: a fixed cost per step that dwarfs the per-token cost. "B = 1 at the
+    # longest S" would run most buckets at B = 1; the throughput rule must not.
+    shapes = np.array([(1, 4, 4)] * 300 + [(1, 8, 8)] * 200 + [(3, 4, 6)] * 300 + [(5, 4, 6)] * 200)
+    cm = CostModel("quadratic", {"a": 0.0267, "c1": 3.7e-4, "c2": 5.9e-15})
+    d = derive_policy(cm, shapes, 4096, world_size=2)
+    b1_policy = policy_for_budget(cm, 4096, float(cm.predict(1, 120)))
+    assert b1_policy.batch_size(120) == 1
+    assert d.policy.batch_size(120) > 8 and d.policy.batch_size(16) > 64
+    assert d.predicted["tokens_per_s"] >= d.baseline["tokens_per_s"]
+    eq = simulate(shapes, EqualTokenPolicy(4096), 2, cost_model=cm, balance="none")
+    assert d.baseline["tokens_per_s"] == pytest.approx(eq.tokens_per_s)
+    assert d.budget_source == "max predicted throughput"
+
+
+def test_chosen_budget_is_the_smallest_within_tolerance_of_the_best():
+    shapes = mixture_token_grids(MIXED, 4_000)
+    cm = CostModel("quadratic", {"a": 0.01, "c1": 8.68e-6, "c2": 1.482e-9})
+    d = derive_policy(cm, shapes, 65_520, world_size=8, num_candidates=12)
+    budgets = [b for b, _ in d.candidates]
+    tps = [t for _, t in d.candidates]
+    assert budgets == sorted(budgets) and len(budgets) == 12
+    assert budgets[0] == pytest.approx(float(cm.predict(1, 32760)))
+    assert budgets[-1] == pytest.approx(float(np.max(cm.predict(65520 // np.array([1560, 7800, 14040, 20280, 32760]),
+                                                                  np.array([1560, 7800, 14040, 20280, 32760])))))
+    best = max(tps)
+    i = budgets.index(d.step_budget_s)
+    assert tps[i] >= 0.99 * best and all(t < 0.99 * best for t in tps[:i])
+    # Re-simulating the chosen policy gives the recorded prediction.
+    r = simulate(shapes, d.policy, 8, cost_model=cm, balance="cost")
+    assert d.predicted["tokens_per_s"] == pytest.approx(r.tokens_per_s)
+
+
+def test_given_budget_is_used_and_oversize_samples_are_left_out():
+    shapes = np.array([(1, 30, 52)] * 10 + [(21, 30, 52)] * 5 + [(21, 45, 80)] * 2)
+    truth = CostModel("power", {"a": 0.02, "b": 3e-9, "p": 1.7})
+    budget = float(truth.predict(1, 32760))
+    d = derive_policy(truth, shapes, 40_000, step_budget_s=budget, oversize="skip")
+    assert d.budget_source == "given" and d.step_budget_s == budget and d.candidates == []
+    assert d.policy.batch_size(32760) == 1 and d.policy.oversize == "skip"
+    assert d.policy.batch_size(75600) == 0  # skipped
+    with pytest.raises(ValueError, match="No sample fits the memory budget m_mem=100"):
+        derive_policy(truth, shapes, 100)
+
+
+def test_memory_budget_rules():
+    ok = [Measurement(1, (1, 2, 2), 4, 0.1, 3_000, "ok"), Measurement(8, (1, 2, 2), 4, 0.2, 5_000, "ok"),
+          Measurement(2, (4, 4, 4), 64, None, None, "oom")]
+    mm = MemoryModel(1000.0, 10.0)
+    m_mem, how = memory_budget(ok[:2], mm, 10_000, margin=0.1, pending_bytes=500)
+    assert how == "memory model" and m_mem == math.floor((10_000 * 0.9 - 1500) / 10.0) == 750
+    m_mem, _ = memory_budget(ok, mm, 10_000, margin=0.1, pending_bytes=500)
+    assert m_mem == 127  # below the smallest B·S that ran out of memory (2 x 64)
+    m_mem, how = memory_budget(ok[:2], None, None, longest_seq_len=20)
+    assert how == "largest profiled batch" and m_mem == 32
+    assert memory_budget(ok[:2], None, None, longest_seq_len=50)[0] == 50
+    assert pending_optimizer_bytes(1000, has_state=False) == 8000
+    assert pending_optimizer_bytes(1000, has_state=True) == 0
+
+
+def test_fit_models_errors_and_notes():
+    with pytest.raises(ValueError, match="every profiled shape ran out of memory"):
+        fit_models([Measurement(1, (1, 2, 2), 4, None, None, "oom")])
+    with pytest.raises(ValueError, match="could not fit the cost model on 1 feasible shapes"):
+        fit_models([Measurement(1, (1, 2, 2), 4, 0.1, None, "ok")])
+    rng = np.random.default_rng(0)
+    noisy = [Measurement(int(b), (1, 1, int(s)), int(s), float(rng.uniform(0.1, 1.0)), None, "ok")
+             for b in (1, 2, 4) for s in (10, 20, 40, 80)]
+    cm, mm, notes = fit_models(noisy)
+    assert mm is None and any("median error" in n for n in notes)

@@ -1,0 +1,127 @@
+import numpy as np
+import pytest
+import torch
+
+from lightning_adaptiveload.calibration.profile import Measurement, Shape, plan_grid, profile
+
+
+class Clock:
+    """A fake clock that steps advance by a chosen duration."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def _stepper(clock, seconds, calls=None, oom=()):
+    """make_step whose step takes seconds(B, S) on the fake clock; OOM for (B, S) in `oom`."""
+
+    def make_step(b, grid):
+        s = int(np.prod(grid))
+        if (b, s) in oom:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
+
+        def step():
+            if calls is not None:
+                calls.append((b, s))
+            clock.t += seconds(b, s)
+
+        return step
+
+    return make_step
+
+
+class ScaledCollectives:
+    """Stands in for a second rank that is slower by `factor`: max() sees both."""
+
+    def __init__(self, factor):
+        self.factor = factor
+
+    def max(self, value):
+        return max(value, value * self.factor)
+
+    def broadcast(self, obj):
+        return obj
+
+
+def test_plan_grid_rounds_spread_single_seq_and_max_seq_len():
+    grids = np.array([(1, 2, 2), (1, 4, 4), (2, 4, 4), (3, 4, 6), (5, 6, 6)] * 3)
+    plan = plan_grid(grids, max_shapes=3)
+    seqs = [s.seq_len for s in plan]
+    # Round 1: the smallest batch of every chosen S (spread over the range), then larger batches.
+    assert seqs[:3] == [4, 32, 180] and all(s.batch_size == 1 for s in plan[:3])
+    assert max(s.batch_size for s in plan if s.seq_len == 4) == 2 * 180 // 4
+    assert [s.batch_size for s in plan if s.seq_len == 180] == [1, 2]
+    assert 180 not in [s.seq_len for s in plan_grid(grids, max_seq_len=100)]
+    single = plan_grid(np.array([(2, 4, 6)]), batch_sizes=[1, 2])
+    assert sorted({s.grid for s in single}) == [(2, 4, 3), (2, 4, 6)]
+    with pytest.raises(ValueError, match="No sample is left to profile"):
+        plan_grid(grids, max_seq_len=3)
+
+
+def test_median_of_timed_steps_max_over_ranks():
+    clock = Clock()
+    durations = iter([9.0, 1.0, 3.0, 2.0])  # warm-up, then three timed steps
+    calls = []
+    m = profile(_stepper(clock, lambda b, s: next(durations), calls), [Shape(2, (1, 2, 2))],
+                warmup=1, repeats=3, shape_time_s=100, clock=clock, collectives=ScaledCollectives(1.5))
+    assert calls == [(2, 4)] * 4
+    assert m[0].status == "ok" and m[0].timed_steps == 3
+    assert m[0].time_s == pytest.approx(2.0 * 1.5)  # median 2.0 on this rank, the slower rank's 3.0
+
+
+def test_shape_time_bound_keeps_one_timed_step_and_reports_slow_steps():
+    clock = Clock()
+    lines = []
+    m = profile(_stepper(clock, lambda b, s: 10.0), [Shape(1, (1, 1, 7))], warmup=1, repeats=5,
+                shape_time_s=15.0, clock=clock, progress=lines.append)
+    assert m[0].timed_steps == 1 and m[0].time_s == 10.0
+    assert m[0].seconds == pytest.approx(20.0)  # one warm-up + one timed step, then the bound stops it
+    assert any("warm-up 1/1: 10.0 s" in line for line in lines)
+    assert any("timed 1/5: 10.0 s" in line for line in lines)
+
+
+def test_total_budget_stops_after_the_first_pass():
+    clock = Clock()
+    plan = plan_grid(np.array([(1, 1, 10), (1, 1, 20), (1, 1, 40)]), batch_sizes=[1, 2, 4])
+    lines = []
+    m = profile(_stepper(clock, lambda b, s: 1.0), plan, warmup=0, repeats=2, time_budget_s=5.0,
+                clock=clock, progress=lines.append)
+    assert [x.status for x in m[:3]] == ["ok"] * 3  # the first pass always completes (6 s > budget)
+    assert [x.status for x in m[3:]] == ["skipped"] * 6
+    assert any("time budget 5 s spent after 3/9 shapes" in line for line in lines)
+
+
+def test_out_of_memory_skips_larger_batches_and_longer_sequences():
+    clock = Clock()
+    plan = plan_grid(np.array([(1, 1, 10), (1, 1, 20), (1, 1, 40)]), batch_sizes=[1, 2, 4])
+    calls = []
+    m = profile(_stepper(clock, lambda b, s: 0.01, calls, oom={(2, 10), (1, 20)}), plan, warmup=0, repeats=1,
+                clock=clock)
+    status = {(x.batch_size, x.seq_len): x.status for x in m}
+    assert status[(1, 10)] == "ok" and status[(2, 10)] == "oom" and status[(4, 10)] == "skipped"
+    assert status[(1, 20)] == "oom"
+    # Memory grows with tokens: every batch of a longer sequence is skipped, never run.
+    assert all(status[(b, 40)] == "skipped" for b in (1, 2, 4)) and all(s != 40 for _, s in calls)
+    assert status[(2, 20)] == status[(4, 20)] == "skipped"
+
+
+def test_other_errors_propagate():
+    def make_step(b, grid):
+        raise KeyError("latents")
+
+    with pytest.raises(KeyError):
+        profile(make_step, [Shape(1, (1, 2, 2))])
+
+
+def test_measurement_round_trip_and_validation():
+    m = Measurement(2, (1, 2, 3), 6, 0.5, 123, "ok", 3, 1.5)
+    assert Measurement.from_dict(m.to_dict()) == m
+    with pytest.raises(ValueError, match="not consistent"):
+        Measurement.from_dict({**m.to_dict(), "seq_len": 7})
+    with pytest.raises(ValueError, match="time_s=None"):
+        Measurement.from_dict({**m.to_dict(), "time_s": None})
+    with pytest.raises(ValueError, match="lacks"):
+        Measurement.from_dict({"batch_size": 1})
