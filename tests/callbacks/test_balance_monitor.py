@@ -70,3 +70,64 @@ def test_gathered_rows_give_paper_metrics():
 def test_invalid_arguments(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
         BalanceMonitor(**kwargs)
+
+
+class FlopsModule(TinyModule):
+    def flops_per_sample(self, seq_len):
+        return 1e12 * seq_len  # 12 TFLOP a sample of S = 12
+
+
+def test_mfu_warmup_and_the_datamodule_cost_model(tmp_path, monkeypatch):
+    _fake_clock(monkeypatch)
+    monitor = BalanceMonitor(log_every_n_steps=1, warmup_steps=2, peak_tflops=100.0)
+    trainer = Trainer(default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=6, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      callbacks=[monitor])
+    trainer.fit(FlopsModule(), train_dataloaders=_loader())
+    s = monitor.summary()
+    assert s["steps"] == 4 and len(monitor.history) == 4  # two warm-up steps left out
+    # 3 samples x 12 TFLOP in 3 s on one GPU.
+    assert s["tflops_per_gpu"] == pytest.approx(12.0)
+    assert s["mfu"] == pytest.approx(0.12)
+    assert monitor.last_metrics["balance/mfu"] == pytest.approx(0.12)
+
+
+def test_compute_cv_uses_the_datamodule_cost_model(tmp_path):
+    from lightning.pytorch import LightningDataModule
+
+    class DM(LightningDataModule):
+        cost_model = SimpleNamespace(predict=lambda b, s: 7.0 * b * s)
+
+        def train_dataloader(self):
+            return _loader(2)
+
+    monitor = BalanceMonitor(log_every_n_steps=1)
+    trainer = Trainer(default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=2, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      callbacks=[monitor])
+    trainer.fit(TinyModule(), datamodule=DM())
+    assert monitor.history[0][0][2] == pytest.approx(7.0 * 3 * 12)
+
+
+def test_tokens_need_batch_shape_or_patch_size(tmp_path):
+    class NoPatch(TinyModule):
+        def __init__(self):
+            super().__init__()
+            del self.patch_size
+
+    trainer = Trainer(default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=1, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      callbacks=[BalanceMonitor()])
+    with pytest.raises(AttributeError, match="neither `batch_shape"):
+        trainer.fit(NoPatch(), train_dataloaders=_loader())
+
+    class ForgotPatch(TinyModule):
+        def __init__(self):
+            super().__init__()
+            self.patch_size = (1, 4, 4)  # the latents are 4x6: not a multiple
+
+    trainer = Trainer(default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=1, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      callbacks=[BalanceMonitor()])
+    with pytest.raises(ValueError, match="not divisible by patch_size"):
+        trainer.fit(ForgotPatch(), train_dataloaders=_loader())

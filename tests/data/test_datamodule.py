@@ -166,3 +166,38 @@ def test_distributed_sampler_injection_is_refused():
 def test_rejects_dataset_without_token_grids():
     with pytest.raises(ValueError, match="token_grids"):
         AdaptiveLoadDataModule(list(range(3)), POLICY)
+
+
+def test_one_sampler_an_epoch_planned_once_and_the_plan_printed_once(tmp_path, capsys):
+    dm = _dm()
+    trainer = _trainer(tmp_path, enable_checkpointing=False)
+    trainer.fit(RecordingModule(), datamodule=dm)
+    sampler = dm.sampler
+    assert sampler is dm.sampler  # cached, not rebuilt
+    assert sampler.plans_built == 1
+    out = capsys.readouterr().out
+    assert out.count("Bucket plan:") == 1
+    assert f"{len(sampler)} steps/epoch x 1 rank(s)" in out.replace(",", "")
+
+
+def test_placeholder_policy_is_not_checked_before_the_sampler_is_built(tmp_path):
+    # A policy whose memory budget rejects every sample, as a recipe's placeholder would before the
+    # shape benchmark replaces it: building the DataModule must not fail.
+    dm = AdaptiveLoadDataModule(GridDataset(20), DualConstraintPolicy(m_mem=2, m_comp=4, p=2), seed=4)
+    dm.set_policy(POLICY)
+    trainer = _trainer(tmp_path, enable_checkpointing=False)
+    trainer.fit(RecordingModule(), datamodule=dm)
+    assert trainer.global_step == len(dm.sampler)
+    bad = AdaptiveLoadDataModule(GridDataset(20), DualConstraintPolicy(m_mem=2, m_comp=4, p=2), seed=4)
+    with pytest.raises(ValueError, match="above the memory budget 2"):
+        _trainer(tmp_path, enable_checkpointing=False).fit(RecordingModule(), datamodule=bad)
+
+
+def test_resume_error_names_the_checkpoint_and_the_field(tmp_path):
+    ckpt_cb = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    trainer = _trainer(tmp_path, [ckpt_cb], max_steps=3)
+    trainer.fit(RecordingModule(), datamodule=_dm())
+    path = next((tmp_path / "ckpt").glob("*.ckpt"))
+    other_seed = AdaptiveLoadDataModule(GridDataset(60), POLICY, seed=5)
+    with pytest.raises(ValueError, match=rf"checkpoint {path}.*seed=4 but this run has seed=5"):
+        _trainer(tmp_path, max_steps=6).fit(RecordingModule(), datamodule=other_seed, ckpt_path=path)
