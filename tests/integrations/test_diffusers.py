@@ -85,10 +85,24 @@ class _CountAdaLN:
         monkeypatch.setattr(integ, "adaln", counting)
 
 
+def _bf16_like_from_pretrained(model: WanTransformer3DModel) -> WanTransformer3DModel:
+    """bf16 weights except what diffusers keeps in fp32 when loading with ``torch_dtype=torch.bfloat16``."""
+    model.to(torch.bfloat16)
+    keep = model._keep_in_fp32_modules
+    for name, module in model.named_modules():
+        if any(k in name.split(".") for k in keep):
+            module.float()
+    for name, p in model.named_parameters():
+        if name.split(".")[-1] in keep:
+            p.data = p.data.float()
+    return model
+
+
 @pytest.mark.parametrize("per_token", [False, True], ids=["per_sample", "per_token"])
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["eager", "checkpointed"])
-def test_patched_model_matches_diffusers_forward_and_every_gradient(monkeypatch, per_token, checkpointing):
-    ref = _tiny()
+@pytest.mark.parametrize("mode", ["fp32", "fp32_checkpointed", "bf16"])
+def test_patched_model_matches_diffusers_forward_and_every_gradient(monkeypatch, per_token, mode):
+    checkpointing = mode == "fp32_checkpointed"
+    ref = _bf16_like_from_pretrained(_tiny()) if mode == "bf16" else _tiny()
     fused = copy.deepcopy(ref)
     assert patch_wan_transformer(fused) == SITES
     if checkpointing:
@@ -96,13 +110,16 @@ def test_patched_model_matches_diffusers_forward_and_every_gradient(monkeypatch,
         fused.enable_gradient_checkpointing()
     count = _CountAdaLN(monkeypatch)
     x, t, context = _inputs(per_token)
+    if mode == "bf16":
+        x, context = x.bfloat16(), context.bfloat16()
     out_ref, grads_ref = _forward_backward(ref, x, t, context)
     assert count.calls == []
     out, grads = _forward_backward(fused, x, t, context)
     n = 2 * 2 * 3
     recomputed = 2 * TINY["num_layers"] if checkpointing else 0  # the blocks' sites run again in backward
     assert count.calls == [(2, n, 24) if per_token else (2, 1, 24)] * (SITES + recomputed)
-    assert torch.equal(out, out_ref)  # the CPU path runs the same fp32 ops: bit for bit
+    assert out.dtype == (torch.bfloat16 if mode == "bf16" else torch.float32)
+    assert torch.equal(out, out_ref)  # the CPU path runs the same ops in the same dtypes: bit for bit
     assert grads.keys() == grads_ref.keys() and len(grads) == len(list(ref.parameters()))
     for name, g in grads.items():
         assert torch.equal(g, grads_ref[name]), name
@@ -178,6 +195,21 @@ def test_adapter_provides_the_protocol():
         module.synthetic_batch(1, (1, 0, 1))
     with pytest.raises(TypeError, match="WanTransformer3DModel"):
         DiffusersWanModule("Wan-AI/Wan2.1-T2V-1.3B")
+
+
+def test_compute_loss_is_wans_rectified_flow():
+    module = DiffusersWanModule(_tiny(), text_len=3, timestep_shift=3.0)
+    batch = module.synthetic_batch(2, (1, 2, 2))
+    torch.manual_seed(5)
+    loss = module.compute_loss(batch)
+    torch.manual_seed(5)
+    x0 = batch["latents"]
+    u = torch.rand(2)
+    t = 3.0 * u / (1 + 2.0 * u)
+    noise = torch.randn_like(x0)
+    x_t = (1 - t.view(2, 1, 1, 1, 1)) * x0 + t.view(2, 1, 1, 1, 1) * noise
+    pred = module.transformer(x_t, t * 1000, batch["context"], return_dict=False)[0]
+    assert torch.equal(loss, ((pred - (noise - x0)) ** 2).mean())
 
 
 def test_flops_per_sample_is_three_times_the_counted_forward():
