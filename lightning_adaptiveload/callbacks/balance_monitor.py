@@ -279,7 +279,7 @@ class BalanceMonitor(Callback):
         console.print(table)
         mfu = ""
         if "tflops_per_gpu" in s:
-            mfu = f" | {s['tflops_per_gpu']:.0f} model TFLOP/s per GPU" + (f", MFU {s['mfu']:.1%}" if "mfu" in s else "")
+            mfu = f" | {s['tflops_per_gpu']:.3g} model TFLOP/s per GPU" + (f", MFU {s['mfu']:.1%}" if "mfu" in s else "")
         console.print(
             f"step-time CV {s['step_time_cv']:.2%} | forward CV {s['forward_time_cv']:.2%} | "
             f"compute CV {s['compute_cv']:.2%} | bubble {s['bubble']:.2%} | tokens/s {s['tokens_per_s']:,.0f}{mfu}"
