@@ -69,7 +69,7 @@ def calibration_table(calibration: Any, derivation: Any, source: str) -> Table:
     p.pop("cost_model", None)
     shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in p.items() if k != "type")
     table = Table(
-        title=(f"Shape benchmark ({source}, {calibration.profile_seconds:.0f} s of profiling) — {cm}\n"
+        title=(f"Shape benchmark ({source}; profiled in {calibration.profile_seconds:.0f} s) — {cm}\n"
                f"{p['type']}: {shown}; step budget {derivation.step_budget_s * 1e3:.1f} ms "
                f"({derivation.budget_source})\n{derivation.summary()}"),
         title_justify="left",

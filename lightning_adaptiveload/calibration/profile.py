@@ -114,12 +114,14 @@ def plan_grid(
     batch_sizes: Sequence[int] | None = None,
     max_shapes: int = 8,
     max_seq_len: int | None = None,
+    max_tokens: int | None = None,
 ) -> list[Shape]:
     """(B, grid) pairs to profile, the smallest batch of every sequence length first.
 
     Takes up to ``max_shapes`` distinct sequence lengths spread over the corpus's range, and for each
-    ``batch_sizes`` or, by default, up to three batch sizes from 1 to ``2·S_max / S``. Sequences
-    above ``max_seq_len`` (samples training will skip) are never profiled. Ordering by round (all
+    ``batch_sizes`` or, by default, up to three batch sizes from 1 to ``max_tokens / S`` (a known
+    memory budget, so the fit covers every batch the policy may choose) or, without one,
+    ``2·S_max / S``. Sequences above ``max_seq_len`` (samples training will skip) are never profiled. Ordering by round (all
     sequence lengths at their i-th batch size) means a time budget that runs out still leaves the
     whole range of S covered.
 
@@ -157,7 +159,7 @@ def plan_grid(
         if batch_sizes is not None:
             per_s.append(sorted({int(b) for b in batch_sizes}))
         else:
-            b_max = max(1, (2 * s_max) // int(s))
+            b_max = max(1, (max_tokens or 2 * s_max) // int(s))
             per_s.append(sorted({int(round(b)) for b in np.geomspace(1, b_max, DEFAULT_BATCHES_PER_SEQ)}))
     plan = []
     for r in range(max(len(bs) for bs in per_s)):

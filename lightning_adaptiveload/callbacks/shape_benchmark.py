@@ -224,7 +224,7 @@ class ShapeBenchmarkCallback(Callback):
         if self.m_mem is not None:
             _check_oversize(grids, self.m_mem, oversize)
             max_seq_len = self.m_mem
-        plan = plan_grid(grids, self.batch_sizes, self.max_shapes, max_seq_len=max_seq_len)
+        plan = plan_grid(grids, self.batch_sizes, self.max_shapes, max_seq_len=max_seq_len, max_tokens=self.m_mem)
         key = self._key(trainer, pl_module, plan)
 
         cal, derived, source = None, None, None
