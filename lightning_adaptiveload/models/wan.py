@@ -68,6 +68,8 @@ class WanConfig:
         text_len: text tokens; shorter contexts are zero-padded to it, as Wan does.
         freq_dim: size of the sinusoidal timestep embedding.
         patch_size: (t, h, w) patch of the 3-D patch embedding.
+        vae_stride: (t, h, w) compression of the VAE whose latents the model sees (Wan 2.1: 4, 8, 8);
+            data configs take it, and ``patch_size``, from here.
         eps: epsilon of every norm.
         qk_norm: RMSNorm on queries and keys.
         cross_attn_norm: affine LayerNorm before cross-attention.
@@ -84,6 +86,7 @@ class WanConfig:
     text_len: int = 512
     freq_dim: int = 256
     patch_size: tuple[int, int, int] = field(default=(1, 2, 2))
+    vae_stride: tuple[int, int, int] = field(default=(4, 8, 8))
     eps: float = 1e-6
     qk_norm: bool = True
     cross_attn_norm: bool = True
@@ -92,6 +95,7 @@ class WanConfig:
     def __post_init__(self) -> None:
         # Lists come from YAML/JSON; keep the frozen config hashable and comparable.
         object.__setattr__(self, "patch_size", tuple(int(p) for p in self.patch_size))
+        object.__setattr__(self, "vae_stride", tuple(int(v) for v in self.vae_stride))
         object.__setattr__(self, "window_size", tuple(int(w) for w in self.window_size))
         for name in (
             "dim",
@@ -124,6 +128,10 @@ class WanConfig:
         if len(self.patch_size) != 3 or min(self.patch_size) < 1:
             raise ValueError(
                 f"`WanConfig(patch_size={self.patch_size!r})` is not valid. Expected three positive integers."
+            )
+        if len(self.vae_stride) != 3 or min(self.vae_stride) < 1:
+            raise ValueError(
+                f"`WanConfig(vae_stride={self.vae_stride!r})` is not valid. Expected three positive integers."
             )
         if self.window_size != (-1, -1):
             raise ValueError(
