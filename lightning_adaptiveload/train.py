@@ -237,10 +237,11 @@ def check_resume_has_steps_left(cfg: DictConfig) -> None:
 
 
 def _instantiate_dataset(cfg: DictConfig, module: pl.LightningModule) -> Any:
-    """Build the dataset; text length/dim left ``null`` in the data config are taken from the model."""
+    """Build the dataset; token geometry and text shape left ``null`` in the data config (``patch_size``,
+    ``vae_stride``, ``text_len``, ``text_dim``) are taken from the model, so they are set in one place."""
     overrides: dict[str, Any] = {}
     model_config = getattr(module, "config", None)
-    for key in ("text_len", "text_dim"):
+    for key in ("text_len", "text_dim", "patch_size", "vae_stride"):
         if key in cfg and cfg[key] is None:
             if model_config is None:
                 raise ConfigError(f"data.dataset.{key} is null but the model has no `config.{key}`; set it.")
@@ -367,6 +368,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
     from lightning_adaptiveload.callbacks.balance_monitor import BalanceMonitor
 
+    _running["trainer"] = run.trainer
     watcher = _PeerErrorWatcher.start(cfg, run.trainer.world_size)
     try:
         run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=cfg.get("ckpt_path"))
@@ -395,8 +397,21 @@ def train(cfg: DictConfig) -> dict[str, float]:
 # One readable error per failure, also with several ranks.
 
 
+# The Trainer of the run in progress: its rank and world size are the truth once `fit` has started
+# (Lightning's launcher gives its processes LOCAL_RANK / NODE_RANK only, no RANK or WORLD_SIZE).
+_running: dict[str, Any] = {}
+
+
+def _world_size() -> int:
+    trainer = _running.get("trainer")
+    return int(trainer.world_size) if trainer is not None else int(os.environ.get("WORLD_SIZE", 1))
+
+
 def _rank() -> int:
-    """This process's global rank: from the process group if there is one, else the launcher's environment."""
+    """This process's global rank: the Trainer's, the process group's, else the launcher's environment."""
+    trainer = _running.get("trainer")
+    if trainer is not None:
+        return int(trainer.global_rank)
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         return int(dist.get_rank())
@@ -502,7 +517,7 @@ def _exit_on_error(err: BaseException, cfg: DictConfig | None) -> None:
     rank = _rank()
     text = _describe(err)
     errors = _errors_dir(cfg)
-    multi = int(os.environ.get("WORLD_SIZE", 1)) > 1
+    multi = _world_size() > 1
     if rank != 0 and multi:
         try:
             errors.mkdir(parents=True, exist_ok=True)
@@ -519,6 +534,8 @@ def _exit_on_error(err: BaseException, cfg: DictConfig | None) -> None:
         _report(f"rank {rank}: {text}")
         raise SystemExit(1) from None
     if multi and _PEER_FAILURE.search(str(err)):
+        # This rank only saw a peer go away; the cause is the peer's.
+        text = f"rank {rank} lost a peer: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
         deadline = time.time() + 5.0
         while time.time() < deadline:
             peers = _peer_errors(errors, time.time() - 600)
