@@ -1,0 +1,295 @@
+"""`adaptiveload-train` as a user meets it: fast --help, checks before building, errors in the form of
+the command line, one error report per multi-rank failure, and every command of README.md."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import open_dict
+
+import lightning_adaptiveload.train as train_module
+from lightning_adaptiveload.callbacks.balance_monitor import BalanceMonitor
+from lightning_adaptiveload.train import ConfigError, as_overrides, build, train
+
+ROOT = Path(train_module.__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+README = ROOT / "README.md"
+
+
+def _compose(overrides: list[str], tmp_path: Path, devices: int | None = 1):
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="lightning_adaptiveload.conf", version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+    with open_dict(cfg):
+        if devices is not None:
+            cfg.trainer.devices = devices  # in-process: a multi-process launch would re-run pytest itself
+        cfg.output_dir = str(tmp_path)
+        cfg.hydra.runtime.output_dir = str(tmp_path)
+        if cfg.callbacks and "shape_benchmark" in cfg.callbacks:
+            cfg.callbacks.shape_benchmark.cache_dir = str(tmp_path / "cache")
+            cfg.callbacks.shape_benchmark.save_dir = str(tmp_path)
+    return cfg
+
+
+class FailOnRank(pl.Callback):
+    """Raises a ValueError at ``step`` on ``rank`` (all ranks when ``rank`` is None); used by a subprocess."""
+
+    def __init__(self, rank: int | None = 1, step: int = 2, message: str = "boom") -> None:
+        self.rank, self.step, self.message = rank, step, message
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step and self.rank in (None, trainer.global_rank):
+            raise ValueError(f"{self.message} on rank {trainer.global_rank}")
+
+
+# --- --help and typos before heavy imports -----------------------------------------------------
+
+_PROBE = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("adaptiveload_train_cli", {path!r})
+module = importlib.util.module_from_spec(spec)
+sys.argv = ["adaptiveload-train", *{argv!r}]
+try:
+    spec.loader.exec_module(module)
+    module.main()
+except SystemExit:
+    pass
+print("HEAVY:", sorted(m for m in ("torch", "lightning", "numpy") if m in sys.modules))
+"""
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["trainer.max_stepz=3"], ["modle=tiny"]])
+def test_help_and_config_typos_are_answered_before_torch_is_imported(argv):
+    # train.py loaded on its own (the package __init__ re-exports the whole library, see the next test).
+    probe = _PROBE.format(path=str(ROOT / "lightning_adaptiveload" / "train.py"), argv=argv)
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert "HEAVY: []" in proc.stdout, proc.stdout + proc.stderr
+    if argv == ["--help"]:
+        assert "== Configuration groups ==" in proc.stdout
+    else:
+        assert re.search(r"max_stepz|modle", proc.stderr), proc.stderr
+
+
+def test_console_script_import_stays_light():
+    """What ``adaptiveload-train --help`` imports through the package (``lightning_adaptiveload/__init__``)."""
+    probe = "import sys, lightning_adaptiveload; print('torch' in sys.modules)"
+    eager = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    if eager.stdout.strip() == "True":
+        pytest.skip("lightning_adaptiveload/__init__.py imports torch eagerly: --help stays slow until it is lazy")
+    argv = ["--help"]
+    probe = (
+        "import sys\nsys.argv = ['adaptiveload-train', '--help']\nfrom lightning_adaptiveload.train import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print('HEAVY:', sorted(m for m in ('torch', 'lightning') if m in sys.modules))"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120)
+    assert "HEAVY: []" in proc.stdout, proc.stdout + proc.stderr
+
+
+# --- checks before anything is built ------------------------------------------------------------
+
+
+def test_missing_ckpt_path_is_one_line_naming_the_setting_before_anything_is_built(tmp_path):
+    missing = tmp_path / "nope.ckpt"
+    # A broken model target proves nothing was instantiated before the check.
+    cfg = _compose([f"ckpt_path={missing}", "model._target_=does.not.Exist"], tmp_path)
+    with pytest.raises(ConfigError) as err:
+        build(cfg)
+    message = str(err.value)
+    assert message.startswith(f"ckpt_path={missing}: no such file")
+    assert "\n" not in message and "leave ckpt_path out" in message
+
+
+def test_resuming_a_finished_run_says_which_setting_to_raise(tmp_path):
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({"global_step": 200, "epoch": 3, "state_dict": {}}, ckpt)
+    cfg = _compose([f"ckpt_path={ckpt}", "trainer.max_steps=200"], tmp_path)
+    with pytest.raises(ConfigError, match=r"saved at step 200 and trainer.max_steps=200") as err:
+        build(cfg)
+    assert "trainer.max_steps=400" in str(err.value)
+    # Steps left: the check passes and the run is built.
+    cfg = _compose([f"ckpt_path={ckpt}", "trainer.max_steps=201", "callbacks=none"], tmp_path)
+    assert build(cfg).trainer.max_steps == 201
+
+
+# --- errors in the form of the command line -----------------------------------------------------
+
+
+def test_as_overrides_rewrites_python_arguments_of_a_node():
+    msg = "`ManifestDataset(on_bad_row='skp')` is not valid. Expected one of ('error', 'skip')."
+    assert as_overrides(msg, "data.dataset", ["on_bad_row", "path"], "ManifestDataset") == (
+        "`data.dataset.on_bad_row=skp` is not valid. Expected one of ('error', 'skip')."
+    )
+    msg = "row 3: height=-1. Fix the row, or pass `on_bad_row='skip'` to skip it; patch_size=(1, 2, 2), x=None"
+    assert as_overrides(msg, "data.dataset", ["on_bad_row", "patch_size", "x"]) == (
+        "row 3: height=-1. Fix the row, or pass `data.dataset.on_bad_row=skip` to skip it; "
+        "data.dataset.patch_size=[1,2,2], data.dataset.x=null"
+    )
+
+
+def _manifest(tmp_path: Path, rows: list[str]) -> Path:
+    (tmp_path / "a.pt").write_bytes(b"")
+    path = tmp_path / "m.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def test_dataset_argument_errors_print_the_override(tmp_path):
+    good = '{"path": "a.pt", "num_frames": 1, "height": 64, "width": 64}'
+    manifest = _manifest(tmp_path, [good])
+    cfg = _compose(["data=manifest", f"data.dataset.path={manifest}", "data.dataset.on_bad_row=skp"], tmp_path)
+    with pytest.raises(ConfigError) as err:
+        build(cfg)
+    assert "data.dataset.on_bad_row=skp" in str(err.value) and "on_bad_row='skp'" not in str(err.value)
+    bad = '{"path": "a.pt", "num_frames": 1, "height": -1, "width": 64}'
+    manifest = _manifest(tmp_path, [good, bad])
+    cfg = _compose(["data=manifest", f"data.dataset.path={manifest}"], tmp_path)
+    with pytest.raises(ConfigError) as err:
+        build(cfg)
+    assert "data.dataset.on_bad_row=skip" in str(err.value), err.value
+
+
+def test_multi_rank_failure_is_reported_once_by_rank_0_last(tmp_path):
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_adaptiveload.train",
+        "++trainer.max_steps=6",
+        "trainer.devices=2",
+        "trainer.enable_progress_bar=false",
+        "~callbacks.shape_benchmark",
+        "~callbacks.balance_monitor",
+        "+callbacks.fail._target_=test_cli.FailOnRank",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT)]))
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert proc.stderr.rstrip().splitlines()[-1] == "adaptiveload-train: rank 1: boom on rank 1", out[-3000:]
+    assert out.count("boom") == 1
+    assert "Traceback" not in out and "Connection closed by peer" not in out
+
+
+# --- what train() prints and passes on ----------------------------------------------------------
+
+
+def test_plan_printed_once_by_the_datamodule_and_print_plan_passed_on(tmp_path, capsys):
+    run = build(_compose(["print_plan=false", "callbacks=none"], tmp_path))
+    if not hasattr(run.datamodule, "print_plan"):
+        pytest.skip("this DataModule has no print_plan")
+    assert run.datamodule.print_plan is False
+    train(_compose(["++trainer.max_steps=2", "callbacks=none", "logger=none"], tmp_path))
+    assert capsys.readouterr().out.count("Bucket plan") == 1
+
+
+def test_final_metrics_come_from_the_balance_monitor_summary(tmp_path, caplog, monkeypatch):
+    summary = {"step_time_cv": 0.1234, "bubble": 0.05, "tokens_per_s": 1000.0, "steps": 2.0}
+    monkeypatch.setattr(BalanceMonitor, "summary", lambda self: dict(summary))
+    overrides = ["++trainer.max_steps=2", "~callbacks.shape_benchmark", "logger=none"]
+    cfg = _compose([*overrides, "++callbacks.balance_monitor.print_report=false"], tmp_path)
+    with caplog.at_level(logging.INFO):
+        metrics = train(cfg)
+    assert metrics["balance/step_time_cv"] == 0.1234 and metrics["balance/bubble"] == 0.05
+    final = caplog.text[caplog.text.index("Final metrics") :]
+    assert "train/loss at step 2 (the last logged value)" in final
+    assert "balance, means over 2 steps: step_time_cv 12.34%, bubble 5.00%, tokens_per_s 1,000" in final
+
+
+def test_cpu_manifest_defaults_and_the_gpu_recipes_set_more(tmp_path):
+    cfg = _compose(["data=manifest", "data.dataset.path=x.jsonl"], tmp_path)
+    assert cfg.data.datamodule.num_workers <= 2 and cfg.data.datamodule.pin_memory is False
+    for experiment in ("wan2_1_1_3b_480p", "wan2_1_14b_720p"):
+        recipe = _compose([f"experiment={experiment}", "data=manifest", "data.dataset.path=x.jsonl"], tmp_path)
+        assert recipe.data.datamodule.num_workers >= 4 and recipe.data.datamodule.pin_memory is True
+
+
+def test_world_size_warnings(tmp_path):
+    cores = os.cpu_count() or 1
+    cfg = _compose(["callbacks=none", "logger=none"], tmp_path, devices=cores + 1)
+    with pytest.warns(UserWarning, match=rf"trainer.devices={cores + 1} CPU processes on {cores} core"):
+        build(cfg)
+    cfg = _compose(["callbacks=none", "logger=none", "data.dataset.num_samples=1"], tmp_path, devices=2)
+    with pytest.warns(UserWarning, match=r"2 ranks for 1 sample"):
+        build(cfg)
+
+
+# --- every command of README.md -----------------------------------------------------------------
+
+
+def readme_commands(text: str) -> list[list[str]]:
+    """The overrides of every ``adaptiveload-train ...`` command in the fenced code blocks of ``text``."""
+    commands = []
+    for block in re.findall(r"^```[^\n]*\n(.*?)^```", text, flags=re.S | re.M):
+        for line in block.splitlines():
+            for part in re.split(r"&&|\|\||;|\|", line):
+                tokens = shlex.split(part, comments=True)
+                if tokens and tokens[0] == "adaptiveload-train":
+                    commands.append(tokens[1:])
+    return commands
+
+
+def test_readme_commands_are_extracted():
+    text = "x\n```bash\npip install . && adaptiveload-train a=1 b=2   # note\nadaptiveload-simulate x\n```\n"
+    assert readme_commands(text) == [["a=1", "b=2"]]
+
+
+_COMMANDS = readme_commands(README.read_text()) if README.is_file() else []
+# Keep README runs short: two steps, few profiled shapes.
+_FAST = {
+    "callbacks.shape_benchmark.max_shapes": "2",
+    "callbacks.shape_benchmark.batch_sizes": "[1,2]",
+    "callbacks.shape_benchmark.repeats": "1",
+    "callbacks.shape_benchmark.warmup": "0",
+}
+
+
+def test_readme_has_train_commands():
+    assert _COMMANDS, f"no `adaptiveload-train` command in the code blocks of {README}"
+
+
+def _missing_file(overrides: list[str]) -> str | None:
+    """The first path-valued override (``...path=`` / ``ckpt_path=``) naming a file that does not exist."""
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key.lstrip("+~").endswith("path") and value not in ("", "null") and not Path(value).exists():
+            return value
+    return None
+
+
+@pytest.mark.parametrize("overrides", _COMMANDS, ids=[" ".join(c) or "<no overrides>" for c in _COMMANDS])
+def test_readme_command_composes_and_runs_on_cpu(overrides, tmp_path):
+    cfg = _compose(overrides, tmp_path)
+    gpu = cfg.trainer.get("accelerator") not in ("cpu", "auto") or cfg.get("model", {}).get("model", {}).get(
+        "preset", "tiny"
+    ) != "tiny"
+    missing = _missing_file(overrides)
+    extra = [f"{k}={v}" for k, v in _FAST.items() if cfg.callbacks and "shape_benchmark" in cfg.callbacks]
+    if gpu:
+        # Compose, and build everything on CPU (the model is built lazily in configure_model, so a
+        # 14B preset costs nothing here).
+        extra += ["trainer.accelerator=cpu", "trainer.precision=32-true", "trainer.num_nodes=1", "strategy=auto"]
+    else:
+        extra += ["++trainer.max_steps=2"]
+    cfg = _compose([*overrides, *extra], tmp_path)
+    if missing is not None:
+        # A placeholder path (/data/train.jsonl): the command is refused in one line naming it.
+        with pytest.raises((ConfigError, FileNotFoundError), match=re.escape(missing)):
+            build(cfg)
+        return
+    if gpu:
+        run = build(cfg)
+        assert run.datamodule is not None and run.trainer is not None
+    else:
+        assert "train/loss" in train(cfg)
