@@ -67,7 +67,7 @@ def _inputs(per_token: bool, grid=(2, 2, 3), batch: int = 2, seed: int = 1):
 
 def _forward_backward(model, x, t, context):
     out = model(x, t, context, return_dict=False)[0]
-    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))  # every output matters
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.device)  # all outputs count
     params = [p for p in model.parameters() if p.requires_grad]
     grads = torch.autograd.grad((out * weight).sum(), params)
     return out.detach(), dict(zip([n for n, p in model.named_parameters() if p.requires_grad], grads, strict=True))
@@ -249,7 +249,7 @@ def test_adapter_trains_with_the_datamodule_on_cpu(tmp_path):
 @pytest.mark.parametrize("per_token", [False, True], ids=["per_sample", "per_token"])
 def test_fused_kernel_matches_unpatched_model_in_bf16(per_token):
     config = {**TINY, "num_attention_heads": 2, "attention_head_dim": 64, "ffn_dim": 256}
-    ref = _tiny(**config).cuda().to(torch.bfloat16)
+    ref = _bf16_like_from_pretrained(_tiny(**config).cuda())
     fused = copy.deepcopy(ref)
     assert patch_wan_transformer(fused) == SITES
     x, t, context = (v.cuda() for v in _inputs(per_token, grid=(3, 4, 6)))
