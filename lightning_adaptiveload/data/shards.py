@@ -269,6 +269,11 @@ _READ_COLUMNS = ("shard_id", "latents_offset", "latents_size", "context_offset",
                  "meta_offset", "meta_size", "grid_f", "grid_h", "grid_w")  # fmt: skip
 
 
+def _row_end(b: Mapping[str, np.ndarray]) -> np.ndarray:
+    """The byte after each row's last member (meta is written last, but do not rely on it)."""
+    return np.maximum(b["meta_offset"] + b["meta_size"], b["context_offset"] + b["context_size"])
+
+
 class ShardedLatentDataset(Dataset):
     """Random access into ``adaptiveload-prepare`` shards through their shape index.
 
@@ -337,23 +342,13 @@ class ShardedLatentDataset(Dataset):
         self.text_len = int(text_len if text_len is not None else meta["text_len"])
         base = self.path.rsplit("/", 1)[0] if _is_url(self.path) else str(Path(self.path).parent)
         self._shards = [_join(base, s) for s in meta["shards"]]
-        table = _read_parquet(self.path, list(_READ_COLUMNS), self.storage_options)
-        cols = {name: table.column(name).to_numpy() for name in _READ_COLUMNS}
-        self.report = ShardReport(self.path, num_rows=table.num_rows)
-        keep = np.ones(table.num_rows, dtype=bool)
-        if check_shards:
-            keep = self._check_shards(cols, on_bad_shard)
-        rows = np.flatnonzero(keep) if not keep.all() else None
-        pick = (lambda a: a[rows]) if rows is not None else (lambda a: a)
+        cols, need = self._read_columns(check_shards)
+        self.report = ShardReport(self.path, num_rows=len(cols["shard_id"]))
+        keep = self._check_shards(need, on_bad_shard) if check_shards else None
+        rows = None if keep is None or keep.all() else np.flatnonzero(keep)
         self._rows = rows  # dataset index → index row (None: identity)
-        self._shard_id = pick(cols["shard_id"]).astype(np.int32, copy=False)
-        self._start = pick(cols["latents_offset"]).astype(np.int64, copy=False)
-        self._latents_size = pick(cols["latents_size"]).astype(np.int64, copy=False)
-        self._context_start = pick(cols["context_offset"] - cols["latents_offset"]).astype(np.int64, copy=False)
-        self._context_size = pick(cols["context_size"]).astype(np.int64, copy=False)
-        self._grids = np.stack([pick(cols["grid_f"]), pick(cols["grid_h"]), pick(cols["grid_w"])], 1).astype(
-            np.int32, copy=False
-        )
+        for name, array in cols.items():
+            setattr(self, f"_{name}", array if rows is None else array[rows])
         self.report.num_valid = len(self._start)
         if self.report.num_valid == 0:
             raise ValueError(f"{self.path}: no readable samples.\n{self.report}")
@@ -361,26 +356,82 @@ class ShardedLatentDataset(Dataset):
         self._pid = os.getpid()
         self._keys: pa.ChunkedArray | None = None
 
-    def _check_shards(self, cols: dict[str, np.ndarray], on_bad_shard: str) -> np.ndarray:
-        sid = cols["shard_id"]
-        end = np.maximum(cols["meta_offset"] + cols["meta_size"], cols["context_offset"] + cols["context_size"])
+    def _parquet(self):
+        """The index as a ParquetFile: local paths through pyarrow's native reader (several times faster
+        than through a Python file object), URLs through fsspec."""
+        if _is_url(self.path):
+            return pq.ParquetFile(_open(self.path, self.storage_options))
+        return pq.ParquetFile(self.path.removeprefix("file://"))
+
+    def _batches(self, columns: Sequence[str]):
+        with self._parquet() as pf:
+            yield from pf.iter_batches(batch_size=1 << 20, columns=list(columns))
+
+    def _read_columns(self, check_shards: bool) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """Stream the index into compact arrays (36 bytes a row), and each shard's furthest byte needed.
+
+        Streaming by row group keeps the peak near the final arrays instead of the whole Arrow table
+        plus its NumPy copies (10^7 rows: see benchmarks/results/shards_cpu.json).
+        """
+        with self._parquet() as pf:
+            n = pf.metadata.num_rows
+        cols = {"shard_id": np.empty(n, np.int32), "start": np.empty(n, np.int64),
+                "latents_size": np.empty(n, np.int32), "context_start": np.empty(n, np.int32),
+                "context_size": np.empty(n, np.int32), "grids": np.empty((n, 3), np.int32)}  # fmt: skip
         need = np.zeros(len(self._shards), dtype=np.int64)
-        np.maximum.at(need, sid, end)
+        pos = 0
+        for batch in self._batches(_READ_COLUMNS):
+            b = {name: batch.column(name).to_numpy() for name in _READ_COLUMNS}
+            m = len(b["shard_id"])
+            sl = slice(pos, pos + m)
+            context_start = b["context_offset"] - b["latents_offset"]
+            if max(int(b["latents_size"].max()), int(context_start.max()), int(b["context_size"].max())) >= 2**31:
+                raise ValueError(f"{self.path}: a sample's members exceed 2 GiB; this reader stores sizes in 32 bits.")
+            cols["shard_id"][sl] = b["shard_id"]
+            cols["start"][sl] = b["latents_offset"]
+            cols["latents_size"][sl] = b["latents_size"]
+            cols["context_start"][sl] = context_start
+            cols["context_size"][sl] = b["context_size"]
+            for axis, name in enumerate(("grid_f", "grid_h", "grid_w")):
+                cols["grids"][sl, axis] = b[name]
+            if check_shards:
+                np.maximum.at(need, b["shard_id"], _row_end(b))
+            pos += m
+        return cols, need
+
+    def _first_row_past(self, shard: int, size: int) -> tuple[int, int]:
+        """The first index row of ``shard`` that points past ``size`` bytes, and the byte it needs."""
+        pos = 0
+        for batch in self._batches(_READ_COLUMNS):
+            b = {name: batch.column(name).to_numpy() for name in _READ_COLUMNS}
+            end = _row_end(b)
+            hit = np.flatnonzero((b["shard_id"] == shard) & (end > size))
+            if len(hit):
+                return pos + int(hit[0]), int(end[hit[0]])
+            pos += len(end)
+        return -1, size
+
+    def _check_shards(self, need: np.ndarray, on_bad_shard: str) -> np.ndarray | None:
         bad = np.zeros(len(self._shards), dtype=bool)
-        for s in np.unique(sid).tolist():
+        for s in np.flatnonzero(need).tolist():
             size = self._shard_size(s)
             if size is None:
                 reason = "missing"
             elif size < need[s]:
-                row = int(np.flatnonzero((sid == s) & (end > size))[0])
-                reason = f"truncated: {size} bytes, but index row {row} points to byte {int(end[row])}"
+                row, byte = self._first_row_past(s, size)
+                reason = f"truncated: {size} bytes, but index row {row} points to byte {byte}"
             else:
                 continue
             bad[s] = True
             self.report.bad_shards[self._shards[s]] = reason
         if not bad.any():
-            return np.ones(len(sid), dtype=bool)
-        keep = ~bad[sid]
+            return None
+        keep = np.ones(self.report.num_rows, dtype=bool)
+        pos = 0
+        for batch in self._batches(["shard_id"]):
+            sid = batch.column("shard_id").to_numpy()
+            keep[pos : pos + len(sid)] = ~bad[sid]
+            pos += len(sid)
         self.report.skipped_rows = int((~keep).sum())
         if on_bad_shard == "error":
             first = next(iter(self.report.bad_shards.items()))
