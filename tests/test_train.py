@@ -20,6 +20,7 @@ from lightning_adaptiveload.bucketing.policy import EqualTokenPolicy
 from lightning_adaptiveload.calibration.costmodel import CostModel
 from lightning_adaptiveload.callbacks.shape_benchmark import ShapeBenchmarkCallback
 from lightning_adaptiveload.factories import cost_model_policy
+from lightning_adaptiveload.models.wan import WAN_CONFIGS
 from lightning_adaptiveload.train import MissingSettingError, _missing_keys, build, train
 
 CONF_DIR = Path(lightning_adaptiveload.__file__).parent.parent / "conf"
@@ -68,7 +69,10 @@ def test_every_choice_composes_and_instantiates(group, choice, tmp_path):
         assert node.dataset._target_ and node.datamodule._target_
         # Data on disk (a manifest, shards) needs a path; their file errors are tested in tests/data.
         if "path" not in node.dataset.keys():
-            instantiate(node.dataset, text_len=16, text_dim=32)
+            # What train() fills in from the model for keys left null.
+            tiny = WAN_CONFIGS["tiny"]
+            from_model = {k: getattr(tiny, k) for k in ("text_len", "text_dim", "patch_size", "vae_stride")}
+            instantiate(node.dataset, **{k: v for k, v in from_model.items() if node.dataset.get(k, 0) is None})
     elif group == "bucketing":
         policy = instantiate(node.policy)
         assert policy.batch_size(16) >= 1
