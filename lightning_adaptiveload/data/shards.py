@@ -488,9 +488,13 @@ class ShardedLatentDataset(Dataset):
         start = int(self._start[index])
         length = int(self._context_start[index] + self._context_size[index])
         fh = self._file(s)
-        fh.seek(start)
         data = bytearray(length)  # writable, so the tensors made from it are too
-        got = fh.readinto(data)
+        if hasattr(fh, "fileno") and not _is_url(self._shards[s]):
+            # pread: no shared file position, so handles inherited by forked workers cannot race.
+            got = os.preadv(fh.fileno(), [data], start)
+        else:
+            fh.seek(start)
+            got = fh.readinto(data)
         where = f"shard {self._shards[s]}, sample {self.key(index)!r} (bytes {start}..{start + length})"
         if got < length:
             raise CorruptSampleError(

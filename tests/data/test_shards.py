@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from collections import Counter
 from pathlib import Path
 
@@ -204,3 +205,13 @@ def test_hydra_config_composes_and_instantiates(corpus):
     ds = instantiate(cfg.data.dataset, text_len=TEXT_LEN, text_dim=TEXT_DIM)
     assert isinstance(ds, ShardedLatentDataset) and len(ds) == 24
     assert json.loads(json.dumps(ds.metadata))["shards"][0] == "shards/shard-000000.tar"
+
+
+def test_file_handles_are_per_process(corpus):
+    ds = ShardedLatentDataset(corpus)
+    ds[0]
+    handle = ds._files[0]
+    assert pickle.loads(pickle.dumps(ds))._files == {}  # spawned workers start without handles
+    ds._pid = -1  # as in a forked worker: the parent's handles are dropped, not shared
+    ds[1]
+    assert ds._files[0] is not handle
