@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -77,11 +77,13 @@ def _format_override(value: Any) -> str:
     return str(value)
 
 
-def as_overrides(message: str, path: str, keys: Any, class_name: str | None = None) -> str:
+def as_overrides(
+    message: str, path: str, keys: Any, class_name: str | None = None, bare: bool = True
+) -> str:
     """Rewrite the Python arguments a message mentions as the overrides of config node ``path``.
 
     ``keys`` are the node's argument names: ``` `ManifestDataset(on_bad_row='skp')` ``` becomes
-    ``` `data.dataset.on_bad_row=skp` ``` and a bare ``on_bad_row='skip'`` becomes
+    ``` `data.dataset.on_bad_row=skp` ``` and, with ``bare``, a bare ``on_bad_row='skip'`` becomes
     ``data.dataset.on_bad_row=skip``; names that are not keys of the node are left alone.
     """
     names = "|".join(re.escape(str(k)) for k in sorted(keys, key=lambda k: -len(str(k))))
@@ -91,8 +93,25 @@ def as_overrides(message: str, path: str, keys: Any, class_name: str | None = No
     callee = re.escape(class_name) if class_name else r"[A-Za-z_][\w.]*"
     call = re.compile(rf"`{callee}\(\s*({names})=({_VALUE})\s*\)`")
     message = call.sub(lambda m: f"`{prefix}{m[1]}={_override_value(m[2])}`", message)
-    bare = re.compile(rf"(?<![\w.])({names})=({_VALUE})")
-    return bare.sub(lambda m: f"{prefix}{m[1]}={_override_value(m[2])}", message)
+    if not bare:
+        return message
+    argument = re.compile(rf"(?<![\w.])({names})=({_VALUE})")
+    return argument.sub(lambda m: f"{prefix}{m[1]}={_override_value(m[2])}", message)
+
+
+def _node_keys(node: DictConfig) -> list[str]:
+    return [str(k) for k in node.keys() if not str(k).startswith("_")]
+
+
+def _as_cli_error(err: BaseException, nodes: dict[str, tuple[str, list[str]]]) -> ConfigError | None:
+    """A setting error raised after building (in ``fit``), with ``` `Cls(arg=x)` ``` rewritten as the
+    override of the node that built ``Cls`` (``nodes``: class name → (path, keys)); ``None`` if none applies."""
+    if not isinstance(err, _user_error_types()):
+        return None
+    message = str(err)
+    for class_name, (path, keys) in nodes.items():
+        message = as_overrides(message, path, keys, class_name, bare=False)
+    return ConfigError(message) if message != str(err) else None
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
@@ -117,8 +136,7 @@ def _instantiate(node: DictConfig, path: str, **kwargs: Any) -> Any:
         if not isinstance(cause, (*_user_error_types(), TypeError)):
             raise
         target = str(node.get("_target_", "")).rsplit(".", 1)[-1]
-        keys = [k for k in node.keys() if not str(k).startswith("_")]
-        message = as_overrides(str(cause), path, keys, target or None)
+        message = as_overrides(str(cause), path, _node_keys(node), target or None)
         if message == str(cause):  # nothing to rewrite: say which node it came from
             message = f"{path} ({target}): {message}"
         raise ConfigError(message) from cause
@@ -267,6 +285,8 @@ class Run:
     module: pl.LightningModule
     datamodule: pl.LightningDataModule
     trainer: pl.Trainer
+    # Class name → (config path, argument keys) of what was built, to word later errors as overrides.
+    nodes: dict[str, tuple[str, list[str]]] = field(default_factory=dict)
 
 
 def _warn_about_world_size(trainer: pl.Trainer, datamodule: Any) -> None:
@@ -338,7 +358,21 @@ def build(cfg: DictConfig) -> Run:
         cfg.trainer, "trainer", strategy=strategy, callbacks=callbacks, logger=logger
     )
     _warn_about_world_size(trainer, datamodule)
-    return Run(module, datamodule, trainer)
+    built = {
+        "model": module,
+        "data.dataset": dataset,
+        "data.datamodule": datamodule,
+        "bucketing.policy": policy,
+        "strategy": strategy,
+        "trainer": trainer,
+    }
+    nodes = {
+        type(obj).__name__: (path, _node_keys(OmegaConf.select(cfg, path)))
+        for path, obj in built.items()
+        if not isinstance(obj, (str, int, float, bool))  # e.g. strategy "auto"
+    }
+    nodes["Trainer"] = ("trainer", _node_keys(cfg.trainer))  # also a subclass's messages say `Trainer(...)`
+    return Run(module, datamodule, trainer, nodes)
 
 
 def _format_summary(summary: dict[str, float]) -> str:
@@ -372,6 +406,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
     watcher = _PeerErrorWatcher.start(cfg, run.trainer.world_size)
     try:
         run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=cfg.get("ckpt_path"))
+    except Exception as err:
+        cli_error = _as_cli_error(err, run.nodes)
+        if cli_error is None:
+            raise
+        raise cli_error from err
     finally:
         if watcher is not None:
             watcher.stop()

@@ -160,6 +160,24 @@ def test_dataset_argument_errors_print_the_override(tmp_path):
     assert "data.dataset.on_bad_row=skip" in str(err.value), err.value
 
 
+def test_errors_raised_in_fit_name_the_override(tmp_path, monkeypatch):
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    def fit(self, *args, **kwargs):
+        raise MisconfigurationException(
+            "`Trainer(use_distributed_sampler=True)` would replace the batch sampler; "
+            "set `Trainer(use_distributed_sampler=False)`."
+        )
+
+    monkeypatch.setattr(pl.Trainer, "fit", fit)
+    with pytest.raises(ConfigError) as err:
+        train(_compose(["callbacks=none", "logger=none"], tmp_path))
+    assert str(err.value) == (
+        "`trainer.use_distributed_sampler=true` would replace the batch sampler; "
+        "set `trainer.use_distributed_sampler=false`."
+    )
+
+
 def test_multi_rank_failure_is_reported_once_by_rank_0_last(tmp_path):
     command = [
         sys.executable,
