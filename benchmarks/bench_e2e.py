@@ -214,11 +214,14 @@ def _table(result: dict[str, Any]) -> str:
     rows = ["| configuration | tokens/s | vs (a) | TFLOP/s per GPU | MFU | step-time CV | fwd CV | compute CV | "
             "bubble | peak GiB | simulated tokens/s (error) |", "|" + "---|" * 11]
     runs = result["runs"]
-    base = runs.get("equal_token", {}).get("summary", {}).get("tokens_per_s")
+    base = runs.get("equal_token", {}).get("summary", {}).get("tokens_per_s")  # absent if it failed
     for name in TABLE_ORDER:
         if name not in runs:
             continue
         r = runs[name]
+        if "error" in r:
+            rows.append(f"| {r['label']} | failed: {r['error'][:120]} |" + " |" * 9)
+            continue
         s = r["summary"]
         tps = s.get("tokens_per_s", 0.0)
         gain = f"{tps / base - 1:+.1%}" if base else "-"
@@ -252,7 +255,16 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         if name == "equal_token" and m_mem is None:
             raise SystemExit("equal_token needs a token budget: pass --m-mem, or run a dual configuration first")
-        result, run, bench = _run(args, name, out_dir, m_mem, calibration, cost_model)
+        try:
+            result, run, bench = _run(args, name, out_dir, m_mem, calibration, cost_model)
+        except Exception as err:  # noqa: BLE001 - one failing configuration must not lose the others
+            import traceback
+
+            traceback.print_exc()
+            runs[name] = {"label": CONFIGS[name]["label"], "error": f"{type(err).__name__}: {err}"[:2000]}
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            continue
         trainer = run.trainer
         if bench is not None and bench.calibration is not None:
             cost_model = bench.calibration.cost_model
@@ -267,7 +279,10 @@ def main(argv: list[str] | None = None) -> int:
         del run
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    if trainer is None or not trainer.is_global_zero:
+    if trainer is None:
+        print(json.dumps(runs, indent=1))
+        return 1
+    if not trainer.is_global_zero:
         return 0
     blocks = args.blocks or None
     result = {

@@ -30,7 +30,7 @@ def _figure(width: float = 7.0, height: float = 4.5):
 
 
 def plot(result: dict[str, Any], stem: Path) -> list[Path]:
-    runs = {k: result["runs"][k] for k in ORDER if k in result["runs"]}
+    runs = {k: result["runs"][k] for k in ORDER if k in result["runs"] and "error" not in result["runs"][k]}
     meta = result["meta"]
     title = f"{meta['model']} ({meta['blocks']} blocks), {meta['mixture']}, {meta['world_size']} x {meta['device']}"
     paths = []
