@@ -157,28 +157,38 @@ def _source_matches(cls: type) -> bool:
     return hashlib.sha256(source.encode()).hexdigest()[:16] == _VERIFIED_SOURCES[cls]
 
 
+def _wan_class(module: nn.Module) -> type | None:
+    """The diffusers class whose forward ``module`` runs (``None`` if not one we patch)."""
+    cls = type(module)
+    index = getattr(cls, "_orig_cls_mro_index", None)  # FSDP2's fully_shard swaps in FSDP<cls>(FSDPModule, cls)
+    if index is not None:
+        cls = cls.__mro__[index]
+    return cls if cls in _FUSED_FORWARDS else None
+
+
 def _is_patched(module: nn.Module) -> bool:
     fwd = module.__dict__.get("forward")
-    return getattr(fwd, "__func__", None) is _FUSED_FORWARDS[type(module)]
+    return getattr(fwd, "__func__", None) in _FUSED_FORWARDS.values()
 
 
-def _skip_reason(module: nn.Module, strict: bool) -> str | None:
-    """Why ``module`` (a block or the model) cannot be patched; ``None`` when it can."""
+def _skip_reason(module: nn.Module, cls: type, strict: bool) -> str | None:
+    """Why ``module`` (a block or the model, of diffusers class ``cls``) cannot be patched; ``None`` if it can."""
     if "forward" in module.__dict__:
         return (
             "its forward is already replaced (a diffusers hook: caching, group offloading, context "
             "parallelism; or another patch). Patch before enabling those"
         )
-    norms = ("norm1", "norm3") if isinstance(module, WanTransformerBlock) else ("norm_out",)
-    for name in norms:
+    for name in ("norm1", "norm3") if cls is WanTransformerBlock else ("norm_out",):
         norm = getattr(module, name, None)
-        if type(norm) is not FP32LayerNorm or (norm.weight is None) != (norm.bias is None):
-            return f"`{name}` is a {type(norm).__name__}, not diffusers' FP32LayerNorm with weight and bias or neither"
-    if strict and not _source_matches(type(module)):
+        if type(norm) is not FP32LayerNorm:
+            return f"`{name}` is a {type(norm).__name__}, not diffusers' FP32LayerNorm"
+        if (norm.weight is None) != (norm.bias is None):
+            return f"`{name}` has a weight but no bias (or a bias but no weight); the fused op takes both or neither"
+    if strict and not _source_matches(cls):
         import diffusers
 
         return (
-            f"diffusers {diffusers.__version__}'s `{type(module).__name__}.forward` differs from the 0.42.1 one "
+            f"diffusers {diffusers.__version__}'s `{cls.__name__}.forward` differs from the 0.42.1 one "
             "the fused forward restates. Check it with tests/integrations/test_diffusers.py and pass strict=False"
         )
     return None
@@ -188,8 +198,9 @@ def patch_wan_transformer(model: nn.Module, strict: bool = True) -> int:
     """Fuse the AdaLN sites of every diffusers Wan block and Wan head inside ``model``, in place.
 
     Patches modules of exactly type ``WanTransformerBlock`` (``norm1``, ``norm3``) and
-    ``WanTransformer3DModel`` (``norm_out``), wherever they sit in ``model`` (a LightningModule, a
-    pipeline's transformer, the transformer itself). Parameters, buffers and ``state_dict`` are
+    ``WanTransformer3DModel`` (``norm_out``), also after FSDP2's ``fully_shard`` (which swaps in a
+    subclass), wherever they sit in ``model`` (a LightningModule, a pipeline's transformer, the
+    transformer itself); subclasses of them are left alone, since they may change ``forward``. Parameters, buffers and ``state_dict`` are
     untouched; already patched modules are skipped. Modules that cannot be patched are named in
     one warning.
 
@@ -208,10 +219,10 @@ def patch_wan_transformer(model: nn.Module, strict: bool = True) -> int:
     """
     sites, skipped = 0, {}
     for module in model.modules():
-        cls = type(module)
-        if cls not in _FUSED_FORWARDS or _is_patched(module):
+        cls = _wan_class(module)
+        if cls is None or _is_patched(module):
             continue
-        reason = _skip_reason(module, strict)
+        reason = _skip_reason(module, cls, strict)
         if reason is not None:
             skipped.setdefault(f"{cls.__name__}: {reason}", []).append(module)
             continue
@@ -226,9 +237,10 @@ def unpatch_wan_transformer(model: nn.Module) -> int:
     """Undo :func:`patch_wan_transformer` on every module of ``model``; returns the sites restored."""
     sites = 0
     for module in model.modules():
-        if type(module) in _FUSED_FORWARDS and _is_patched(module):
+        cls = _wan_class(module)
+        if cls is not None and _is_patched(module):
             del module.__dict__["forward"]
-            sites += _SITES[type(module)]
+            sites += _SITES[cls]
     return sites
 
 
@@ -301,23 +313,23 @@ class DiffusersWanModule(pl.LightningModule):
                 f"`{cls}(transformer={type(transformer).__name__})` is not valid. Expected a "
                 "WanTransformer3DModel or the keyword arguments of its constructor."
             )
-        for name, value, ok in (
-            ("text_len", text_len, int(text_len) == text_len and text_len >= 1),
-            ("lr", lr, lr > 0),
-            ("weight_decay", weight_decay, weight_decay >= 0),
-            ("betas", betas, len(betas) == 2 and all(0 <= b < 1 for b in betas)),
-            ("eps", eps, eps > 0),
-            ("timestep_shift", timestep_shift, timestep_shift > 0),
-            ("num_train_timesteps", num_train_timesteps, num_train_timesteps > 0),
+        for name, value, ok, expected in (
+            ("text_len", text_len, int(text_len) == text_len and text_len >= 1, "a positive integer"),
+            ("lr", lr, lr > 0, "a positive float"),
+            ("weight_decay", weight_decay, weight_decay >= 0, "a float >= 0"),
+            ("betas", betas, len(betas) == 2 and all(0 <= b < 1 for b in betas), "two floats in [0, 1)"),
+            ("eps", eps, eps > 0, "a positive float"),
+            ("timestep_shift", timestep_shift, timestep_shift > 0, "a positive float"),
+            ("num_train_timesteps", num_train_timesteps, num_train_timesteps > 0, "a positive number"),
         ):
             if not ok:
-                raise ValueError(f"`{cls}({name}={value!r})` is not valid.")
+                raise ValueError(f"`{cls}({name}={value!r})` is not valid. Expected {expected}.")
         model = transformer if isinstance(transformer, WanTransformer3DModel) else None
         # hparams keep the config, not the module, so `load_from_checkpoint` rebuilds the model.
         transformer = config
         betas = tuple(float(b) for b in betas)
         self.save_hyperparameters()
-        self.config = config
+        self.transformer_config = config
         self.patch_size: tuple[int, int, int] = tuple(int(p) for p in self._cfg("patch_size"))  # type: ignore[assignment]
         self.transformer: WanTransformer3DModel | None = model
         if model is not None and gradient_checkpointing:
@@ -325,8 +337,8 @@ class DiffusersWanModule(pl.LightningModule):
 
     def _cfg(self, key: str) -> Any:
         # Constructor defaults for keys the mapping leaves out.
-        if key in self.config:
-            return self.config[key]
+        if key in self.transformer_config:
+            return self.transformer_config[key]
         return inspect.signature(WanTransformer3DModel.__init__).parameters[key].default
 
     @override
@@ -334,7 +346,7 @@ class DiffusersWanModule(pl.LightningModule):
         """Build the transformer from its config once (Lightning calls this in the strategy's init context)."""
         if self.transformer is not None:
             return
-        self.transformer = WanTransformer3DModel(**self.config)
+        self.transformer = WanTransformer3DModel(**self.transformer_config)
         if self.hparams.gradient_checkpointing:
             self.transformer.enable_gradient_checkpointing()
 

@@ -148,6 +148,22 @@ def test_patch_is_per_instance_reversible_and_keeps_the_state_dict(monkeypatch):
     assert count.calls == []
 
 
+def test_patch_follows_fully_shard_class_swaps_but_not_subclasses(monkeypatch):
+    from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+    from torch.distributed.fsdp import FSDPModule
+
+    model = _tiny()
+    # What fully_shard does to a module's class (without the process group it needs).
+    model.blocks[0].__class__ = type("FSDPWanTransformerBlock", (FSDPModule, WanTransformerBlock), {})
+    model.blocks[1].__class__ = type("MyBlock", (WanTransformerBlock,), {})
+    assert patch_wan_transformer(model) == 2 + 1
+    assert "forward" in model.blocks[0].__dict__ and "forward" not in model.blocks[1].__dict__
+    count = _CountAdaLN(monkeypatch)
+    model(*_inputs(False))
+    assert len(count.calls) == 3
+    assert unpatch_wan_transformer(model) == 3 and "forward" not in model.blocks[0].__dict__
+
+
 def test_patch_leaves_replaced_forwards_and_other_diffusers_sources_alone(monkeypatch):
     model = _tiny()
     hooked = model.blocks[0]
@@ -195,6 +211,8 @@ def test_adapter_provides_the_protocol():
         module.synthetic_batch(1, (1, 0, 1))
     with pytest.raises(TypeError, match="WanTransformer3DModel"):
         DiffusersWanModule("Wan-AI/Wan2.1-T2V-1.3B")
+    with pytest.raises(ValueError, match=r"DiffusersWanModule\(lr=0\)` is not valid. Expected a positive float"):
+        DiffusersWanModule(dict(TINY), lr=0)
 
 
 def test_compute_loss_is_wans_rectified_flow():
