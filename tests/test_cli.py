@@ -59,6 +59,7 @@ _PROBE = """
 import importlib.util, sys
 spec = importlib.util.spec_from_file_location("adaptiveload_train_cli", {path!r})
 module = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = module
 sys.argv = ["adaptiveload-train", *{argv!r}]
 try:
     spec.loader.exec_module(module)
