@@ -397,6 +397,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         With a ``BalanceMonitor`` callback, its run means replace the last step's ``balance/*``
         values, so they agree with the balance report.
     """
+    _running.clear()  # an earlier run in this process must not lend its rank to this one's errors
     run = build(cfg)
     from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
