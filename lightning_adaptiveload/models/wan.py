@@ -459,6 +459,18 @@ class WanModel(nn.Module):
         for block in self.blocks:
             block.gradient_checkpointing = enabled
 
+    def compile_blocks(self, **kwargs: Any) -> None:
+        """Compile every transformer block in place (regional compilation, as ``torch.compile``
+        recommends for repeated blocks: one compiled graph serves all blocks of the same code).
+
+        Blocks see only tensors (RoPE angles are computed outside them), and dynamic shapes are left
+        to dynamo's automatic marking: the first new (B, S) after the first compile recompiles once
+        with symbolic sizes, so the buckets of a corpus do not each recompile. ``kwargs`` go to
+        :meth:`torch.nn.Module.compile` (e.g. ``mode``, ``backend``).
+        """
+        for block in self.blocks:
+            block.compile(**kwargs)
+
     def num_parameters(self) -> int:
         """Total number of parameters (works on the meta device)."""
         return sum(p.numel() for p in self.parameters())
