@@ -116,3 +116,12 @@ def test_the_checker_sees_lazy_imports(tmp_path):
     f = tmp_path / "x.py"
     f.write_text("def f():\n    from lightning_adaptiveload.calibration.derive import derive_policy\n")
     assert _imports(f, set(_modules())) == {"lightning_adaptiveload.calibration.derive"}
+
+
+def test_public_names_resolve_lazily():
+    import subprocess
+    import sys
+
+    code = ("import sys, lightning_adaptiveload as la; assert 'torch' not in sys.modules, 'eager torch import'; "
+            "missing = [n for n in la.__all__ if getattr(la, n, None) is None]; assert not missing, missing")
+    subprocess.run([sys.executable, "-c", code], check=True)
