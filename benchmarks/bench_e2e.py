@@ -8,7 +8,8 @@ synthetic Wan corpus, for the same number of steps:
 - ``dual``             the dual-constraint policy the shape benchmark derives, dealt at random
                        (the paper's sampler, ``bucketing.balance=none``);
 - ``dual_cost``        the same with cost-balanced steps (``bucketing.balance=cost``);
-- ``dual_cost_fused``  ``dual_cost`` with the fused AdaLN callback (``callbacks=gpu``).
+- ``dual_cost_fused``  ``dual_cost`` with ``model.compile=true`` and the fused AdaLN callback
+                       (``callbacks=gpu``).
 
 Per-rank step, forward and compute times, tokens, model FLOPs and peak memory come from the
 project's ``BalanceMonitor`` (its first ``--warmup`` steps are left out); the shape benchmark's
@@ -40,8 +41,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
                   "balance": "cost", "fused": False},
     "dual": {"label": "(b) dual constraint, dealt at random (paper)", "bucketing": "dual_constraint",
              "balance": "none", "fused": False},
-    "dual_cost_fused": {"label": "(d) (c) + fused AdaLN", "bucketing": "dual_constraint", "balance": "cost",
-                        "fused": True},
+    "dual_cost_fused": {"label": "(d) (c) + compiled blocks + fused AdaLN", "bucketing": "dual_constraint",
+                        "balance": "cost", "fused": True, "compile": True},
     "equal_token": {"label": "(a) equal-token, dealt at random", "bucketing": "equal_token", "balance": "none",
                     "fused": False},
 }
@@ -111,6 +112,8 @@ def _overrides(args: argparse.Namespace, name: str, out_dir: Path, m_mem: int | 
         ov.append("trainer.precision=32-true")
     if args.blocks:
         ov.append(f"++model.model.num_layers={args.blocks}")
+    if c.get("compile") and gpu:
+        ov.append("model.compile=true")
     if args.activation_checkpointing is not None:
         ov.append(f"model.activation_checkpointing={args.activation_checkpointing}")
     if c["bucketing"] == "equal_token":

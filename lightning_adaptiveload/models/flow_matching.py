@@ -107,6 +107,9 @@ class FlowMatchingModule(pl.LightningModule):
         activation_checkpointing: recompute block activations in backward.
         seed: seed of the timestep and noise draws (see below); ``None``: the seed given to
             ``lightning.seed_everything`` (``adaptiveload-train``'s ``seed``), or 0 without one.
+        compile: compile every transformer block with ``torch.compile`` (regional compilation;
+            :meth:`WanModel.compile_blocks`). The first steps of new shapes compile (the shape
+            benchmark's warm-up steps absorb that); dynamic sizes keep recompiles to a few in all.
 
     Timesteps and noise of a training micro-batch come from a ``torch.Generator`` on the batch's
     device seeded by :func:`draw_seed` from (seed, global step, global rank, micro-batch index
@@ -135,8 +138,11 @@ class FlowMatchingModule(pl.LightningModule):
         num_train_timesteps: int = 1000,
         activation_checkpointing: bool = False,
         seed: int | None = None,
+        compile: bool = False,
     ) -> None:
         super().__init__()
+        if not isinstance(compile, bool):
+            raise ValueError(f"`FlowMatchingModule(compile={compile!r})` is not valid. Expected true or false.")
         config = from_name_or_config(model)
         if not lr > 0:
             raise ValueError(f"`FlowMatchingModule(lr={lr!r})` is not valid. Expected a positive float.")
@@ -190,6 +196,9 @@ class FlowMatchingModule(pl.LightningModule):
             return
         self.model = WanModel(self.config)
         self.model.set_gradient_checkpointing(self.hparams.activation_checkpointing)
+        if self.hparams.get("compile", False):
+            # Compilation is lazy: modules swapped in after this (FusedAdaLNCallback) are what gets traced.
+            self.model.compile_blocks()
 
     def _require_model(self) -> WanModel:
         if self.model is None:

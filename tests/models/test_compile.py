@@ -32,3 +32,18 @@ def test_compiled_blocks_match_eager_and_recompile_a_bounded_number_of_times():
     # after which it would silently run eager.
     assert 1 <= counter.frame_count <= 4
     assert counter.frame_count < torch._dynamo.config.recompile_limit
+
+
+def test_flow_matching_module_compiles_blocks_when_asked(monkeypatch):
+    import pytest
+
+    from lightning_adaptiveload.models.flow_matching import FlowMatchingModule
+
+    calls = []
+    monkeypatch.setattr(WanModel, "compile_blocks", lambda self, **kw: calls.append(len(self.blocks)))
+    FlowMatchingModule("tiny").configure_model()
+    assert calls == []
+    FlowMatchingModule("tiny", compile=True).configure_model()
+    assert calls == [2]
+    with pytest.raises(ValueError, match="compile='yes'"):
+        FlowMatchingModule("tiny", compile="yes")
