@@ -325,13 +325,14 @@ class Preparer:
         tables, skips = [], []
         for c in chunks:
             name = chunk_name(c)
-            tables.append(pq.read_table(self.out_dir / "parts" / f"{name}.parquet"))
+            part = pq.read_table(self.out_dir / "parts" / f"{name}.parquet")
+            # A part holds one shard's rows; its shard_id is the shard's position in the list below.
+            part = part.set_column(part.schema.get_field_index("shard_id"), "shard_id",
+                                   pa.array(np.full(part.num_rows, c, dtype=np.int32)))  # fmt: skip
+            tables.append(part)
             skips += json.loads((self.out_dir / "parts" / f"{name}.done.json").read_text())["skipped"]
         table = pa.concat_tables(tables) if tables else index_rows_to_table([])
         shards = [f"shards/{chunk_name(c)}.tar" for c in chunks]
-        code = {s: i for i, s in enumerate(shards)}
-        shard_id = pa.array([code[s] for s in table.column("shard").to_pylist()], type=pa.int32())
-        table = table.set_column(table.schema.get_field_index("shard_id"), "shard_id", shard_id)
         channels = sorted(set(table.column("channels").to_pylist()))
         meta = {
             "shards": shards,

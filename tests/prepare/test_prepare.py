@@ -177,6 +177,12 @@ def test_a_rerun_after_a_crash_keeps_finished_shards_and_encodes_the_rest(prepar
     fresh = [r for r in pq.read_table(prepared / "index.parquet").to_pylist() if r["shard_id"] < 2]
     assert pq.read_table(tmp_path / "index.parquet").to_pylist() == fresh
     assert (tmp_path / "shards" / "shard-000001.tar").read_bytes() == (prepared / "shards" / "shard-000001.tar").read_bytes()
+    # A finished shard truncated afterwards (a bad copy) no longer matches its done marker: a rerun rebuilds it.
+    tar = tmp_path / "shards" / "shard-000000.tar"
+    os.truncate(tar, tar.stat().st_size - 1024)
+    result = again.run(items)
+    assert (result.chunks_skipped, result.chunks_done) == (1, 1)
+    assert tar.read_bytes() == (prepared / "shards" / "shard-000000.tar").read_bytes()
 
 
 def test_two_ranks_split_the_shards_and_merge_one_index(prepared, corpus, loaded, tmp_path):
