@@ -429,14 +429,16 @@ def test_resume_with_other_hparams_and_world_size_keeps_the_calibration(tmp_path
     assert "world_size" not in Calibration.from_json(cb_state["calibration"]).key
     # The budgets the checkpoint trained with are applied as they are, whatever derive_policy would
     # pick now (another world size picks another budget): edit them to see that they are used.
-    cb_state["derived"]["step_budget_s"] *= 0.5
+    a = Calibration.from_json(cb_state["calibration"]).cost_model.params["a"]
+    edited = a + 0.5 * (cb_state["derived"]["step_budget_s"] - a)
+    cb_state["derived"]["step_budget_s"] = edited
     torch.save(state, ckpt)
 
     resumed, dm2, probe = _cb(tmp_path), TinyDataModule(), Snapshot()
     trainer = _trainer(tmp_path, resumed, probe, max_steps=4)
     trainer.fit(TinyModuleLR(lr=1e-3, log_dir="b"), datamodule=dm2, ckpt_path=ckpt)
     assert not resumed.profiled and probe.calls == 0 and resumed.source == "checkpoint"
-    assert resumed.derivation.step_budget_s == pytest.approx(first.derivation.step_budget_s * 0.5)
+    assert resumed.derivation.step_budget_s == pytest.approx(edited)
     assert resumed.derivation.budget_source == "given"
 
 
