@@ -263,3 +263,26 @@ def test_training_from_shards_on_two_ranks_killed_and_resumed_sees_every_sample_
         assert seen("first", rank) + seen("second", rank) == plan  # the resumed run continues the same plan
         everything += [i for batch in plan for i in batch]
     assert sorted(set(everything)) == list(range(11))
+
+
+def test_torchrun_two_ranks_write_the_same_index_as_one_process(good_corpus, encoders, tmp_path):
+    # Images first: rank 0's shard is 4 images + 1 clip, rank 1's is 5 clips, so rank 1 finishes last and
+    # rank 0 must wait for it before merging.
+    lines = (good_corpus / "manifest.jsonl").read_text().splitlines()
+    manifest = tmp_path / "images_first.jsonl"
+    manifest.write_text("\n".join(lines[6:] + lines[:6]) + "\n")
+    args = [str(manifest), "--root", str(good_corpus), "--vae", encoders["vae"], "--text-encoder", encoders["text_encoder"],
+            "--tokenizer", encoders["tokenizer"], "--buckets", "tiny", "--text-len", str(TEXT_LEN), "--num-workers",
+            "0", "--samples-per-shard", "5", "--no-progress"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK",
+                                                            "WORLD_SIZE", "NODE_RANK")}  # fmt: skip
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+                           "lightning_adaptiveload.prepare.cli", args[0], str(tmp_path / "ddp"), *args[1:]], env=env,
+                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 0/2: 1 shard(s) encoded" in proc.stderr and "rank 1/2: 1 shard(s) encoded" in proc.stderr
+    assert main([args[0], str(tmp_path / "one"), *args[1:]]) == 0
+    assert pq.read_table(tmp_path / "ddp" / "index.parquet").to_pylist() == pq.read_table(
+        tmp_path / "one" / "index.parquet"
+    ).to_pylist()
