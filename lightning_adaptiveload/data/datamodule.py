@@ -8,6 +8,7 @@ sampler's own count would skip prefetched-but-untrained batches on resume.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +18,12 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_adaptiveload.bucketing.policy import BatchSizePolicy, CostPredictor
 from lightning_adaptiveload.bucketing.sampler import AdaptiveBucketBatchSampler
+from lightning_adaptiveload.models.protocol import check_batch_against_plan
 from lightning_adaptiveload.reporting import print_bucket_plan
+
+# The first real batches of a fit are checked against the planned token grid (cheap, and the first
+# batch already shows a patch size or crop that disagrees with the dataset's metadata).
+_FIRST_BATCH_CHECKS = 3
 
 
 def _default_collate() -> Callable[[list[dict]], dict]:
@@ -117,6 +123,9 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         self._pending_state: dict[str, Any] | None = None
         self._drawn = False
         self._printed = False
+        # (token grid, batch size) the sampler planned for the first batches, checked on arrival.
+        self._planned: deque[tuple[tuple[int, int, int], int]] = deque()
+        self._checks_left = _FIRST_BATCH_CHECKS
 
     @property
     def shapes(self) -> np.ndarray:
@@ -208,6 +217,37 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
     def setup(self, stage: str) -> None:
         self._check_trainer()
         self._printed = False
+        if stage == "fit":
+            self._planned.clear()
+            self._checks_left = _FIRST_BATCH_CHECKS
+            self._check_collate()
+
+    def _check_collate(self) -> None:
+        """Push one real sample through the collate function now, not after minutes of profiling."""
+        if len(self.dataset) == 0:
+            raise ValueError("`AdaptiveLoadDataModule`: the dataset is empty.")
+        collate = self.collate_fn or _default_collate()
+        sample = self.dataset[0]
+        try:
+            collate([sample])
+        except Exception as err:
+            keys = sorted(sample) if isinstance(sample, dict) else type(sample).__name__
+            name = getattr(collate, "__qualname__", repr(collate))
+            raise ValueError(
+                f"`AdaptiveLoadDataModule`: the collate function `{name}` fails on dataset[0] (keys {keys}): "
+                f"{type(err).__name__}: {err}. The default collate stacks `latents`, `context` and `index`; for "
+                "other keys pass `AdaptiveLoadDataModule(..., collate_fn=my_collate)`."
+            ) from err
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Compare the first training batches with the token grids the sampler planned for them."""
+        trainer = self.trainer
+        if self._planned and trainer is not None and trainer.training:
+            grid, size = self._planned.popleft()
+            module = trainer.lightning_module
+            if callable(getattr(module, "batch_shape", None)):
+                check_batch_against_plan(module, batch, grid, size)
+        return batch
 
     def train_dataloader(self) -> DataLoader:
         self._check_trainer()
@@ -299,6 +339,11 @@ class _TrackedBatchSampler:
         return len(self.batch_sampler)
 
     def __iter__(self):
+        dm = self._datamodule
+        shapes = dm.shapes
         for batch in self.batch_sampler:
-            self._datamodule._drawn = True
+            dm._drawn = True
+            if dm._checks_left > 0:
+                dm._checks_left -= 1
+                dm._planned.append((tuple(int(v) for v in shapes[batch[0]]), len(batch)))
             yield batch

@@ -201,3 +201,35 @@ def test_resume_error_names_the_checkpoint_and_the_field(tmp_path):
     other_seed = AdaptiveLoadDataModule(GridDataset(60), POLICY, seed=5)
     with pytest.raises(ValueError, match=rf"checkpoint {path}.*seed=4 but this run has seed=5"):
         _trainer(tmp_path, max_steps=6).fit(RecordingModule(), datamodule=other_seed, ckpt_path=path)
+
+
+def test_collate_is_tried_on_one_sample_before_training(tmp_path):
+    class OtherKeys(GridDataset):
+        def __getitem__(self, i):
+            item = super().__getitem__(i)
+            return {"x": item.pop("latents"), **item}
+
+    dm = AdaptiveLoadDataModule(OtherKeys(20), POLICY)
+    with pytest.raises(ValueError, match=r"collate function `collate_batch` fails on dataset\[0\].*collate_fn="):
+        _trainer(tmp_path, enable_checkpointing=False).fit(RecordingModule(), datamodule=dm)
+
+
+def test_first_batches_are_checked_against_the_plan(tmp_path):
+    class WrongPatch(RecordingModule):
+        patch_size = (1, 1, 1)  # the data was patchified with (1, 2, 2)
+
+        def batch_shape(self, batch):
+            from lightning_adaptiveload.geometry import tokens_of
+
+            return tokens_of(batch["latents"], self.patch_size)
+
+    with pytest.raises(Exception, match=r"the sampler planned \(\d+, \d+\)"):
+        _trainer(tmp_path, enable_checkpointing=False).fit(WrongPatch(), datamodule=_dm())
+
+    class RightPatch(WrongPatch):
+        patch_size = (1, 2, 2)
+
+    trainer = _trainer(tmp_path, enable_checkpointing=False)
+    dm = _dm()
+    trainer.fit(RightPatch(), datamodule=dm)
+    assert trainer.global_step == len(dm.sampler) and not dm._planned
