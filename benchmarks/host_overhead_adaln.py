@@ -13,8 +13,9 @@ GPU host's.
 
 With ``--cuda`` it times the real kernels instead, as a training step calls them (no CUDA graph):
 forward+backward wall time per call (``torch.cuda.synchronize`` around many calls) of the eager path,
-the custom-op path and eager PyTorch (``adaln_ref``), against the GPU time of one call (CUDA events
-around replays of a CUDA graph of it). bf16 x, Wan's fp32 [B, 6, D] modulation as chunk views, bf16
+the custom-op path, eager PyTorch (``adaln_ref``) and the floor (no kernels: what the step's
+``e.chunk`` and ``torch.autograd.grad`` cost on this host), against the GPU time of one call (CUDA
+events around replays of a CUDA graph of it). bf16 x, Wan's fp32 [B, 6, D] modulation as chunk views, bf16
 output.
 
     python benchmarks/host_overhead_adaln.py [--calls 2000] [--repeats 5] [--json PATH] [--profile]
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import json
 import platform
 import pstats
@@ -40,13 +42,20 @@ class _StubExtension:
     max_d, max_d_any = _adaln.ADALN_MAX_D, _adaln.ADALN_MAX_D_ANY
 
     @staticmethod
+    def adaln(x, scale, shift, weight, bias, eps, out_dtype, launch):
+        # The real extension's op has a C++ autograd node; a Python one stands in for it here.
+        return _Bare.apply(x, scale, shift)
+
+    @staticmethod
     def fwd(x, scale, shift, weight, bias, eps, out_dtype, launch):
         B, N, D = x.shape
-        return torch.empty(B, N, D, dtype=out_dtype), torch.empty(B * N), torch.empty(B * N)
+        stats = torch.empty(B * N, device=x.device)
+        return torch.empty(B, N, D, dtype=out_dtype, device=x.device), stats, torch.empty_like(stats)
 
     @staticmethod
     def bwd(dy, x, scale, weight, bias, mean, rstd, launch):
-        return torch.empty_like(x), torch.empty_like(scale), torch.empty_like(scale), torch.empty(0), torch.empty(0)
+        none = torch.empty(0, device=x.device)
+        return torch.empty_like(x), torch.empty_like(scale), torch.empty_like(scale), none, none
 
 
 class _Bare(torch.autograd.Function):
@@ -91,10 +100,13 @@ def _cuda_wall_us(step, calls: int, repeats: int) -> list[float]:
     return out
 
 
-def _cuda_graph_us(step, replays: int, repeats: int) -> list[float]:
+def _cuda_graph_us(make_step, replays: int, repeats: int) -> list[float]:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # autograd must not tie the capture to the legacy stream
+    # Inputs made and the step captured on a side stream: autograd must not tie the capture to the
+    # legacy stream (the leaves' streams decide where the backward runs).
+    with torch.cuda.stream(side):
+        step = make_step()
         step()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -114,15 +126,26 @@ def _cuda_graph_us(step, replays: int, repeats: int) -> list[float]:
     return out
 
 
+def _make_step(op, B: int, N: int, D: int):
+    """One Wan-style forward+backward of ``op`` on fresh inputs (bf16 x, fp32 [B, 6, D] modulation)."""
+    x = torch.randn(B, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    e = (torch.randn(B, 6, D, device="cuda") * 0.5).requires_grad_()
+    gy = torch.randn(B, N, D, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        c = e.chunk(6, dim=1)
+        return torch.autograd.grad(op(x, c[1], c[0]), (x, e), gy)
+
+    return step
+
+
 def cuda_eager_calls(shapes: list[tuple[int, int, int]], calls: int, repeats: int) -> list[dict]:
     """Forward+backward per call of the real op on the current GPU (see the module docstring)."""
     rows = []
     for B, N, D in shapes:
-        x = torch.randn(B, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        e = (torch.randn(B, 6, D, device="cuda") * 0.5).requires_grad_()
-        gy = torch.randn(B, N, D, device="cuda", dtype=torch.bfloat16)
-        ch = e.chunk(6, dim=1)
-        reason = adaln_unsupported_reason(x, ch[1], ch[0], out_dtype=torch.bfloat16)
+        x = torch.empty(B, N, D, device="cuda", dtype=torch.bfloat16)
+        e = torch.empty(B, 6, D, device="cuda").chunk(6, dim=1)
+        reason = adaln_unsupported_reason(x, e[1], e[0], out_dtype=torch.bfloat16)
         if reason is not None:
             raise RuntimeError(f"the fused kernel does not run {(B, N, D)}: {reason}")
         ops = {
@@ -131,17 +154,14 @@ def cuda_eager_calls(shapes: list[tuple[int, int, int]], calls: int, repeats: in
                 x, s, h, None, None, 1e-6, torch.bfloat16, _adaln._DEFAULT_LAUNCH
             ),
             "adaln_ref": lambda x, s, h: adaln_ref(x, s, h, out_dtype=torch.bfloat16),
+            "floor": _Bare.apply,  # allocations only: what e.chunk + autograd.grad cost around any op
         }
         row = {"B": B, "N": N, "D": D}
         for name, op in ops.items():
-
-            def step(op=op, x=x, e=e, gy=gy):
-                c = e.chunk(6, dim=1)
-                return torch.autograd.grad(op(x, c[1], c[0]), (x, e), gy)
-
-            row[f"{name}_wall_us"] = _cuda_wall_us(step, calls, repeats)
-            if name != "custom_op":  # the same kernels as eager: one GPU time for both
-                row[f"{name}_gpu_us"] = _cuda_graph_us(step, calls, repeats)
+            row[f"{name}_wall_us"] = _cuda_wall_us(_make_step(op, B, N, D), calls, repeats)
+            if name in ("eager", "adaln_ref"):  # custom_op runs eager's kernels; floor runs none
+                row[f"{name}_gpu_us"] = _cuda_graph_us(functools.partial(_make_step, op, B, N, D), calls, repeats)
+            torch.cuda.empty_cache()
         med = {k: statistics.median(v) for k, v in row.items() if isinstance(v, list)}
         row["eager_wall_over_gpu"] = med["eager_wall_us"] / med["eager_gpu_us"]
         row["ref_wall_over_eager_wall"] = med["adaln_ref_wall_us"] / med["eager_wall_us"]
@@ -150,7 +170,8 @@ def cuda_eager_calls(shapes: list[tuple[int, int, int]], calls: int, repeats: in
             f"{(B, N, D)} bf16 fwd+bwd per call, median us: fused GPU {med['eager_gpu_us']:.1f}, "
             f"eager wall {med['eager_wall_us']:.1f} ({row['eager_wall_over_gpu']:.2f}x GPU), "
             f"custom-op wall {med['custom_op_wall_us']:.1f}, adaln_ref wall {med['adaln_ref_wall_us']:.1f} "
-            f"(GPU {med['adaln_ref_gpu_us']:.1f}; {row['ref_wall_over_eager_wall']:.2f}x the fused eager wall)",
+            f"(GPU {med['adaln_ref_gpu_us']:.1f}; {row['ref_wall_over_eager_wall']:.2f}x the fused eager wall), "
+            f"floor (no kernels) wall {med['floor_wall_us']:.1f}",
             flush=True,
         )
     return rows

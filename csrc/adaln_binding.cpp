@@ -1,9 +1,10 @@
 // PyTorch binding of the AdaLN kernels: checks the tensors, allocates outputs and scratch through
-// the caching allocator and launches on the current stream. The Python side (ops/_adaln.py) calls
-// these functions from a torch.autograd.Function in eager mode and from torch.library custom ops
-// under torch.compile.
+// the caching allocator and launches on the current stream. `adaln` is the op with its autograd
+// node in C++ (eager calls); `fwd` and `bwd` are the two halves that the torch.library custom ops
+// of ops/_adaln.py call under torch.compile.
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <torch/autograd.h>
 #include <torch/extension.h>
 
 #include <optional>
@@ -172,9 +173,59 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> adaln_bwd
   return {dx, dscale, dshift, dweight, dbias};
 }
 
+// The eager op: a C++ autograd function, so that the backward runs on the autograd engine's device
+// thread as it does for built-in ops, without taking the GIL or entering Python (a Python
+// torch.autograd.Function's backward does both, every call). weight/bias are optionals: autograd
+// registers them as inputs only when present.
+class AdalnFunction : public torch::autograd::Function<AdalnFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& scale,
+                            const at::Tensor& shift, const std::optional<at::Tensor>& weight,
+                            const std::optional<at::Tensor>& bias, double eps, at::ScalarType out_dtype,
+                            const std::vector<int64_t>& launch) {
+    auto [y, mean, rstd] = adaln_fwd_cuda(x, scale, shift, weight, bias, eps, out_dtype, launch);
+    // Only defined tensors are saved: [x, scale, mean, rstd] or, with an affine, [..., weight, bias].
+    std::vector<at::Tensor> saved = {x, scale, mean, rstd};
+    if (weight.has_value()) {
+      saved.push_back(*weight);
+      saved.push_back(*bias);
+    }
+    ctx->save_for_backward(saved);
+    ctx->saved_data["launch"] = launch;
+    ctx->saved_data["shift_dtype"] = static_cast<int64_t>(shift.scalar_type());
+    return y;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    // The kernels' gradients carry no graph of their own: refuse rather than return a wrong one.
+    TORCH_CHECK(!at::GradMode::is_enabled(), "adaln: the fused op has no double backward (create_graph=True)");
+    const auto saved = ctx->get_saved_variables();
+    const bool affine = saved.size() == 6;
+    const std::optional<at::Tensor> weight = affine ? std::optional<at::Tensor>(saved[4]) : std::nullopt;
+    const std::optional<at::Tensor> bias = affine ? std::optional<at::Tensor>(saved[5]) : std::nullopt;
+    const at::Tensor& scale = saved[1];
+    const at::Tensor& dy = grads[0];
+    auto [dx, dscale, dshift, dweight, dbias] =
+        adaln_bwd_cuda(dy, saved[0], scale, weight, bias, saved[2], saved[3], ctx->saved_data["launch"].toIntVector());
+    if (scale.size(1) != 1) {  // per token, d(shift) is the output gradient itself
+      dshift = dy.to(static_cast<at::ScalarType>(ctx->saved_data["shift_dtype"].toInt()));
+    }
+    return {dx, dscale, dshift, affine ? dweight : at::Tensor(), affine ? dbias : at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor adaln_autograd(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift,
+                          const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps,
+                          at::ScalarType out_dtype, const std::vector<int64_t>& launch) {
+  return AdalnFunction::apply(x, scale, shift, weight, bias, eps, out_dtype, launch);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("adaln", &adaln_autograd, "AdaLN with its autograd node: y");
   m.def("fwd", &adaln_fwd_cuda, "AdaLN forward: (y, mean, rstd)");
   m.def("bwd", &adaln_bwd_cuda, "AdaLN backward: (dx, dscale, dshift, dweight, dbias)");
   m.attr("max_d") = ADALN_MAX_D;

@@ -3,11 +3,12 @@
 ``adaln_ref`` is the definition (pure PyTorch, statistics and modulation in fp32, x̂ never rounded
 to a low precision before modulation). The fused CUDA op (``csrc/``) computes the same function.
 
-Two ways in, one pair of kernels. Eager calls go through a ``torch.autograd.Function`` that calls
-the extension directly: checks and dtype decisions are cached per input signature, so a call costs
-a dictionary lookup, a few attribute reads and the launch. Under ``torch.compile`` the same kernels
+Two ways in, one pair of kernels. Eager calls go straight to the extension's ``adaln``, whose
+autograd node is C++ (its backward runs on the autograd engine's thread without the GIL, as a
+built-in op's does); checks and dtype decisions are cached per input signature, so a call costs a
+dictionary lookup, a few attribute reads and the launch. Under ``torch.compile`` the same kernels
 run as ``torch.library`` custom ops with fake kernels and a registered autograd formula, which the
-compiler can trace (a ``torch.autograd.Function`` that calls a pybind function cannot be).
+compiler can trace (it cannot see into a pybind function).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from lightning_adaptiveload.ops._build import build_extension
 
@@ -259,16 +259,6 @@ def _wide_rows(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and all(s % vec == 0 for s in t.stride()[:-1])
 
 
-def _gradients(dy, scale, weight, shift_dtype, grads):
-    """The extension's backward outputs as autograd wants them (same for both paths)."""
-    dx, dscale, dshift, dweight, dbias = grads
-    if scale.shape[1] != 1:
-        dshift = dy.to(shift_dtype)  # per token, d(shift) is the output gradient itself
-    if weight is None:
-        return dx, dscale, dshift, None, None
-    return dx, dscale, dshift, dweight.to(weight.dtype), dbias.to(weight.dtype)
-
-
 # ---- torch.compile path: torch.library custom ops ---------------------------------------------------
 
 
@@ -346,8 +336,13 @@ def _backward(ctx, dy, _dmean, _drstd):
     if dy is None:  # only mean/rstd reached the loss: they are constants of x, scale and shift
         return (None,) * 8
     x, scale, weight, bias, mean, rstd = ctx.saved_tensors
-    grads = adaln_bwd(dy, x, scale, weight, bias, mean, rstd, ctx.launch)
-    return (*_gradients(dy, scale, weight, ctx.shift_dtype, grads), None, None, None)
+    dx, dscale, dshift, dweight, dbias = adaln_bwd(dy, x, scale, weight, bias, mean, rstd, ctx.launch)
+    # As the extension's own autograd node (csrc/adaln_binding.cpp, AdalnFunction) does.
+    if scale.shape[1] != 1:
+        dshift = dy.to(ctx.shift_dtype)  # per token, d(shift) is the output gradient itself
+    if weight is None:
+        return dx, dscale, dshift, None, None, None, None, None
+    return dx, dscale, dshift, dweight.to(weight.dtype), dbias.to(bias.dtype), None, None, None
 
 
 adaln_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -384,24 +379,7 @@ def _adaln_traced(x, scale, shift, weight, bias, eps, out_dtype, launch):
     return adaln_fwd(x, scale, shift, weight, bias, float(eps), dtype, list(launch))[0]
 
 
-# ---- eager path: a torch.autograd.Function over the extension, with a cached plan -----------------
-
-
-class _AdaLNFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, scale, shift, weight, bias, eps, out_dtype, launch):
-        y, mean, rstd = _extension.fwd(x, scale, shift, weight, bias, eps, out_dtype, launch)
-        ctx.save_for_backward(x, scale, weight, bias, mean, rstd)
-        ctx.shift_dtype = shift.dtype
-        ctx.launch = launch
-        return y
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy):
-        x, scale, weight, bias, mean, rstd = ctx.saved_tensors
-        grads = _extension.bwd(dy, x, scale, weight, bias, mean, rstd, ctx.launch)
-        return (*_gradients(dy, scale, weight, ctx.shift_dtype, grads), None, None, None)
+# ---- eager path: the extension's C++ autograd op, with a cached plan ----------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -511,11 +489,4 @@ def adaln(
         x, scale, shift = (t if _wide_rows(t) else t.contiguous() for t in (x, scale, shift))
     if plan.cast_affine:
         weight, bias = weight.float(), bias.float()
-    if torch.is_grad_enabled() and (
-        x.requires_grad
-        or scale.requires_grad
-        or shift.requires_grad
-        or (weight is not None and (weight.requires_grad or bias.requires_grad))
-    ):
-        return _AdaLNFunction.apply(x, scale, shift, weight, bias, eps, plan.out_dtype, launch)
-    return _extension.fwd(x, scale, shift, weight, bias, eps, plan.out_dtype, launch)[0]
+    return _extension.adaln(x, scale, shift, weight, bias, eps, plan.out_dtype, launch)

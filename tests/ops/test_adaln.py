@@ -173,9 +173,33 @@ def test_launch_options_defaults_are_the_rules():
 # so a CI machine without a GPU still checks everything but the CUDA code.
 
 
+class _EmulatedOp(torch.autograd.Function):
+    """What the extension's C++ autograd node (csrc/adaln_binding.cpp, AdalnFunction) does."""
+
+    @staticmethod
+    def forward(ctx, ext, x, scale, shift, weight, bias, eps, out_dtype, launch):
+        y, mean, rstd = ext.fwd(x, scale, shift, weight, bias, eps, out_dtype, launch)
+        ctx.save_for_backward(x, scale, weight, bias, mean, rstd)
+        ctx.ext, ctx.launch, ctx.shift_dtype = ext, launch, shift.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, scale, weight, bias, mean, rstd = ctx.saved_tensors
+        dx, dscale, dshift, dw, db = ctx.ext.bwd(dy, x, scale, weight, bias, mean, rstd, ctx.launch)
+        if scale.shape[1] != 1:
+            dshift = dy.to(ctx.shift_dtype)
+        if weight is None:
+            dw = db = None
+        return None, dx, dscale, dshift, dw, db, None, None, None
+
+
 class _EmulatedExtension:
     def __init__(self):
         self.calls = []  # (entry point, launch options) of every call
+
+    def adaln(self, x, scale, shift, weight, bias, eps, out_dtype, launch):
+        return _EmulatedOp.apply(self, x, scale, shift, weight, bias, eps, out_dtype, launch)
 
     def fwd(self, x, scale, shift, weight, bias, eps, out_dtype, launch):
         self.calls.append(("fwd", tuple(launch)))
@@ -527,6 +551,7 @@ def test_fused_backward_clusters_and_plain_ctas_agree():
         out[cluster] = torch.autograd.grad(y, (x, e), gy)
     assert torch.equal(out[1][0], out[8][0])
     assert _rel(out[8][1], out[1][1]) < 1e-6
+    assert not torch.equal(out[8][1], out[1][1])  # the options reached the kernels: another sum order
     assert out[8][1][:, 2:].abs().max() == 0 and out[8][1][:, :2].abs().min() > 0
 
 
@@ -542,6 +567,25 @@ def test_fused_launch_options_compute_the_same_function(options):
     y_o = adaln(x, s, h, options=options)
     (gx_o,) = torch.autograd.grad(y_o, x, gy)
     assert _rel(y_o, y) < 1e-6 and _rel(gx_o, gx) < 1e-6
+
+
+@pytest.mark.cuda
+def test_fused_eager_refuses_double_backward():
+    x, s, h, _, _ = _make(2, 7, 256, torch.float32, "sample", torch.float32, False)
+    x.requires_grad_()
+    (gx,) = torch.autograd.grad(adaln(x, s, h).square().sum(), x, create_graph=False)
+    with pytest.raises(RuntimeError, match="no double backward"):
+        torch.autograd.grad(adaln(x, s, h).square().sum(), x, create_graph=True)
+
+
+@pytest.mark.cuda
+def test_fused_eager_op_is_the_extensions_autograd_node():
+    # Eager calls go straight to the C++ node: no custom-op dispatch, no Python backward.
+    x, s, h, _, _ = _make(2, 7, 256, torch.bfloat16, "sample", torch.float32, False)
+    y = adaln(x.requires_grad_(), s, h)
+    assert type(y.grad_fn).__name__ == "CppNode<AdalnFunction>" or "AdalnFunction" in y.grad_fn.name()
+    with torch.no_grad():
+        assert adaln(x, s, h).grad_fn is None
 
 
 @pytest.mark.cuda
