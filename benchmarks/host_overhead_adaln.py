@@ -54,8 +54,8 @@ class _StubExtension:
 
     @staticmethod
     def bwd(dy, x, scale, weight, bias, mean, rstd, launch):
-        none = torch.empty(0, device=x.device)
-        return torch.empty_like(x), torch.empty_like(scale), torch.empty_like(scale), none, none
+        empty = [torch.empty(0, device=x.device) for _ in range(2)]  # outputs may not alias each other
+        return torch.empty_like(x), torch.empty_like(scale), torch.empty_like(scale), *empty
 
 
 class _Bare(torch.autograd.Function):
