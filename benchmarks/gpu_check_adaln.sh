@@ -17,13 +17,13 @@ export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
 mkdir -p "$(dirname "$out")"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 start=$(date +%s)
-timeout 120 python3 -c "
+timeout 100 python3 -c "
 import time, torch
 from lightning_adaptiveload.ops import adaln_build_error, load_adaln_extension
 t = time.time()
 print('build ok:', load_adaln_extension(), adaln_build_error(), f'{time.time() - t:.0f}s')
 "
-timeout 75 python3 -m pytest -q tests/ops -m cuda -p no:cacheprovider 2>&1 | tail -n 15
+timeout 100 python3 -m pytest -q tests/ops -m cuda -p no:cacheprovider 2>&1 | tail -n 15
 tests_rc=${PIPESTATUS[0]}
 echo "tests done in $(( $(date +%s) - start ))s (rc=$tests_rc)"
 timeout 40 python3 benchmarks/host_overhead_adaln.py --cuda --calls 200 --repeats 5 --json "$out" 2>&1 | grep -v Warning
