@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from lightning_adaptiveload.bucketing.balance import mixture_token_grids
 from lightning_adaptiveload.bucketing.policy import DualConstraintPolicy
 from lightning_adaptiveload.bucketing.sampler import AdaptiveBucketBatchSampler
+from lightning_adaptiveload.calibration.simulate import mixture_token_grids
 from lightning_adaptiveload.data.mixtures import get_mixture
 
 

@@ -30,8 +30,8 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(("FusedAdaLNCallback", "apply_fused_adaln", "register_adaln_module"),
                     "lightning_adaptiveload.callbacks.fused_adaln"),
     "ShapeBenchmarkCallback": "lightning_adaptiveload.callbacks.shape_benchmark",
-    **dict.fromkeys(("MIXTURES", "ManifestDataset", "SyntheticMixedDataset", "collate_batch", "get_mixture",
-                     "read_manifest_shapes"), "lightning_adaptiveload.data"),
+    **dict.fromkeys(("MIXTURES", "ManifestDataset", "ShardedLatentDataset", "SyntheticMixedDataset",
+                     "collate_batch", "get_mixture", "read_manifest_shapes"), "lightning_adaptiveload.data"),
     "AdaptiveLoadDataModule": "lightning_adaptiveload.data.datamodule",
     **dict.fromkeys(("WAN_CONFIGS", "FlowMatchingModule", "WanAttentionBlock", "WanConfig", "WanModel"),
                     "lightning_adaptiveload.models"),
@@ -86,6 +86,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on f
     from lightning_adaptiveload.data import (  # noqa: F401
         MIXTURES,
         ManifestDataset,
+        ShardedLatentDataset,
         SyntheticMixedDataset,
         collate_batch,
         get_mixture,

@@ -4,6 +4,7 @@ from lightning_adaptiveload.data.collate import collate_batch
 from lightning_adaptiveload.data.manifest import ManifestDataset, ManifestReport, read_manifest_shapes
 from lightning_adaptiveload.data.media import CorruptSampleError, PatchPoolEncoder
 from lightning_adaptiveload.data.mixtures import MIXTURES, get_mixture
+from lightning_adaptiveload.data.shards import ShardedLatentDataset, ShardReport, ShardWriter, write_index
 from lightning_adaptiveload.data.synthetic import SyntheticMixedDataset
 
 __all__ = [
@@ -12,8 +13,12 @@ __all__ = [
     "ManifestDataset",
     "ManifestReport",
     "PatchPoolEncoder",
+    "ShardReport",
+    "ShardWriter",
+    "ShardedLatentDataset",
     "SyntheticMixedDataset",
     "collate_batch",
     "get_mixture",
     "read_manifest_shapes",
+    "write_index",
 ]

@@ -27,7 +27,6 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file as load_safetensors
 from torch.utils.data import Dataset
 
-from lightning_adaptiveload.geometry import PATCH_SIZE, VAE_STRIDE, pixel_token_grids
 from lightning_adaptiveload.data.media import (
     IMAGE_EXTENSIONS,
     LATENT_EXTENSIONS,
@@ -37,6 +36,7 @@ from lightning_adaptiveload.data.media import (
     bucket_pixel_shape,
     load_pixels,
 )
+from lightning_adaptiveload.geometry import PATCH_SIZE, VAE_STRIDE, pixel_token_grids
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from lightning_adaptiveload.geometry import PATCH_SIZE, VAE_STRIDE, pixel_token_grid
 from lightning_adaptiveload.data.mixtures import get_mixture
+from lightning_adaptiveload.geometry import PATCH_SIZE, VAE_STRIDE, pixel_token_grid
 
 _ENTRY_KEYS = ("num_frames", "height", "width")
 

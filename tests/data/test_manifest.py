@@ -9,7 +9,6 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from lightning_adaptiveload.geometry import pixel_token_grids
 from lightning_adaptiveload.data.collate import collate_batch
 from lightning_adaptiveload.data.manifest import ManifestDataset, read_manifest_shapes
 from lightning_adaptiveload.data.media import (
@@ -20,6 +19,7 @@ from lightning_adaptiveload.data.media import (
     resize_center_crop,
     sample_frame_indices,
 )
+from lightning_adaptiveload.geometry import pixel_token_grids
 
 # Rows without embeddings fall back to zeros with a warning; the tests that care assert it.
 pytestmark = pytest.mark.filterwarnings("ignore:.*has no text embedding:UserWarning")

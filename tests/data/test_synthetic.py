@@ -2,10 +2,10 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_adaptiveload.geometry import pixel_token_grid, pixel_token_grids
 from lightning_adaptiveload.data.collate import collate_batch
 from lightning_adaptiveload.data.mixtures import MIXTURES, get_mixture
 from lightning_adaptiveload.data.synthetic import SyntheticMixedDataset
+from lightning_adaptiveload.geometry import pixel_token_grid, pixel_token_grids
 
 SMALL = {"latent_channels": 16, "text_len": 4, "text_dim": 8}
 
