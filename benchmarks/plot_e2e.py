@@ -29,6 +29,13 @@ def _figure(width: float = 7.0, height: float = 4.5):
     return fig, fig.add_subplot(1, 1, 1)
 
 
+def _save(fig, ax, title: str, path: Path) -> Path:
+    ax.set_title(title, fontsize=8)
+    ax.legend(fontsize=7)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    return path
+
+
 def plot(result: dict[str, Any], stem: Path) -> list[Path]:
     runs = {k: result["runs"][k] for k in ORDER if k in result["runs"] and "error" not in result["runs"][k]}
     meta = result["meta"]
@@ -41,10 +48,7 @@ def plot(result: dict[str, Any], stem: Path) -> list[Path]:
     ax.bar(x + 0.2, [r["simulated_tokens_per_s"] for r in runs.values()], 0.4, label="simulated")
     ax.set_xticks(x, [r["label"].split(" ", 1)[0] for r in runs.values()])
     ax.set_ylabel("tokens/s")
-    ax.set_title(title, fontsize=8)
-    ax.legend(fontsize=7)
-    paths.append(stem.with_name(stem.name + "_tokens_per_s.png"))
-    fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
+    paths.append(_save(fig, ax, title, stem.with_name(stem.name + "_tokens_per_s.png")))
 
     fig, ax = _figure()
     for r in runs.values():
@@ -53,20 +57,14 @@ def plot(result: dict[str, Any], stem: Path) -> list[Path]:
             ax.plot(steps[:, :, 0].max(axis=1), ".-", label=r["label"])
     ax.set_xlabel("measured step")
     ax.set_ylabel("step time of the slowest rank (s)")
-    ax.set_title(title, fontsize=8)
-    ax.legend(fontsize=7)
-    paths.append(stem.with_name(stem.name + "_step_times.png"))
-    fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
+    paths.append(_save(fig, ax, title, stem.with_name(stem.name + "_step_times.png")))
 
     fig, ax = _figure()
     for r in runs.values():
         ax.plot(r["losses"], label=r["label"], linewidth=0.8)
     ax.set_xlabel("step")
     ax.set_ylabel("train/loss")
-    ax.set_title(title, fontsize=8)
-    ax.legend(fontsize=7)
-    paths.append(stem.with_name(stem.name + "_loss.png"))
-    fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
+    paths.append(_save(fig, ax, title, stem.with_name(stem.name + "_loss.png")))
     return paths
 
 

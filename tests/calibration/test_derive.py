@@ -14,14 +14,9 @@ from lightning_adaptiveload.calibration.derive import (
 )
 from lightning_adaptiveload.calibration.profile import Measurement
 from lightning_adaptiveload.calibration.simulate import mixture_token_grids, simulate
+from lightning_adaptiveload.data.mixtures import get_mixture
 
-MIXED = [
-    {"num_frames": 1, "height": 480, "width": 832, "weight": 0.4},
-    {"num_frames": 17, "height": 480, "width": 832, "weight": 0.15},
-    {"num_frames": 33, "height": 480, "width": 832, "weight": 0.15},
-    {"num_frames": 49, "height": 480, "width": 832, "weight": 0.1},
-    {"num_frames": 81, "height": 480, "width": 832, "weight": 0.2},
-]
+MIXED = get_mixture("wan_480p")  # images and 17-81-frame 480p clips
 
 
 def test_power_policy_has_exact_m_comp():
