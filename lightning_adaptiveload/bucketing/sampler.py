@@ -48,6 +48,14 @@ _STATE_VERSION = 2
 _READABLE_STATE_VERSIONS = (1, 2)
 
 
+class OversizeSampleError(ValueError):
+    """A sample is longer than the policy's memory budget; ``index`` is its dataset index (0-based)."""
+
+    def __init__(self, index: int, message: str) -> None:
+        super().__init__(message)
+        self.index = int(index)
+
+
 @dataclass
 class EpochPlan:
     """One epoch segment's plan. ``steps[s, r]`` is the batch id rank r runs at step s."""
@@ -212,7 +220,8 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
         if over.any() and getattr(policy, "oversize", "error") == "error":
             k = int(np.flatnonzero(over)[0])
             i = int(np.flatnonzero(self._bucket_of == k)[0])
-            raise ValueError(
+            raise OversizeSampleError(
+                i,
                 f"Sample {i} has token grid {tuple(self.bucket_grids[k].tolist())} (S={int(self.bucket_seq_lens[k])} "
                 f"tokens; {int(self.bucket_counts[over].sum())} samples in all are that large), above the memory "
                 f"budget {limit} of {policy!r}: it would run out of memory even alone. Raise `m_mem`, crop or "

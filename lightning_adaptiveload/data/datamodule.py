@@ -17,7 +17,7 @@ import numpy as np
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_adaptiveload.bucketing.policy import BatchSizePolicy, CostPredictor
-from lightning_adaptiveload.bucketing.sampler import AdaptiveBucketBatchSampler
+from lightning_adaptiveload.bucketing.sampler import AdaptiveBucketBatchSampler, OversizeSampleError
 from lightning_adaptiveload.models.protocol import check_batch_against_plan
 from lightning_adaptiveload.reporting import print_bucket_plan
 
@@ -184,7 +184,21 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
 
     def make_sampler(self, num_replicas: int = 1, rank: int = 0) -> AdaptiveBucketBatchSampler:
         """A new batch sampler with this DataModule's dataset shapes, policy and settings (e.g. to
-        inspect the plan for another world size)."""
+        inspect the plan for another world size).
+
+        Raises:
+            OversizeSampleError: a sample is above the policy's memory budget; the message names the
+                file when the dataset can (``dataset.describe(index)``).
+        """
+        try:
+            return self._new_sampler(num_replicas, rank)
+        except OversizeSampleError as err:
+            describe = getattr(self.dataset, "describe", None)
+            if not callable(describe):
+                raise
+            raise OversizeSampleError(err.index, f"{describe(err.index)}: {err}") from None
+
+    def _new_sampler(self, num_replicas: int, rank: int) -> AdaptiveBucketBatchSampler:
         return AdaptiveBucketBatchSampler(
             self.shapes,
             self.policy,

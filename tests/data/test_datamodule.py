@@ -233,3 +233,18 @@ def test_first_batches_are_checked_against_the_plan(tmp_path):
     dm = _dm()
     trainer.fit(RightPatch(), datamodule=dm)
     assert trainer.global_step == len(dm.sampler) and not dm._planned
+
+
+def test_oversize_error_names_the_file(tmp_path):
+    from lightning_adaptiveload.bucketing.sampler import OversizeSampleError
+
+    class Described(GridDataset):
+        def describe(self, i):
+            return f"manifest row {i + 1} (clip_{i:04d}.mp4)"
+
+    dm = AdaptiveLoadDataModule(Described(20), DualConstraintPolicy(m_mem=4, m_comp=16, p=2))
+    with pytest.raises(OversizeSampleError) as info:
+        dm.make_sampler()
+    i = info.value.index
+    assert dm.shapes[i].prod() > 4
+    assert str(info.value).startswith(f"manifest row {i + 1} (clip_{i:04d}.mp4): Sample {i} has token grid")
