@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 REQUIRED_COLUMNS = ("path", "num_frames", "height", "width")
 OPTIONAL_COLUMNS = ("caption", "text_embedding")
+# Instead of the pixel sizes, precomputed latents may give their latent shape (F, H, W).
+LATENT_COLUMNS = ("latent_frames", "latent_height", "latent_width")
 MANIFEST_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv",
                     ".parquet": "parquet", ".pq": "parquet"}  # fmt: skip
 _DIMS = ("num_frames", "height", "width")
@@ -137,7 +139,7 @@ def _read_jsonl_python(path: Path) -> tuple[dict[str, list], int, dict[int, str]
             records.append(record)
     columns = {
         key: [r.get(key) for r in records]
-        for key in (*REQUIRED_COLUMNS, *OPTIONAL_COLUMNS)
+        for key in (*REQUIRED_COLUMNS, *OPTIONAL_COLUMNS, *LATENT_COLUMNS)
         if any(key in r for r in records)
     }
     return columns, len(records), malformed
@@ -287,11 +289,14 @@ def _validate(
     check_files: bool,
 ) -> _Rows:
     columns, n, malformed = _read_columns(manifest)
-    missing_cols = [c for c in REQUIRED_COLUMNS if c not in columns]
+    latent_sizes = all(c in columns for c in LATENT_COLUMNS) and not any(c in columns for c in _DIMS)
+    required = ("path",) if latent_sizes else REQUIRED_COLUMNS
+    missing_cols = [c for c in required if c not in columns]
     if missing_cols:
         raise ValueError(
             f"Manifest {str(manifest)!r} has no column(s) {missing_cols}; it has {sorted(columns)}. Expected "
-            f"columns {', '.join(REQUIRED_COLUMNS)} (+ optional {', '.join(OPTIONAL_COLUMNS)})."
+            f"columns {', '.join(REQUIRED_COLUMNS)} (or, for precomputed latents, path and "
+            f"{', '.join(LATENT_COLUMNS)}) (+ optional {', '.join(OPTIONAL_COLUMNS)})."
         )
     if n == 0:
         raise ValueError(f"Manifest {str(manifest)!r} has no rows. Expected at least one sample.")
@@ -313,6 +318,29 @@ def _validate(
         zero_copy_only=False
     )
     checks.append(("missing path", no_path, lambda r: f"{label(r)}: path is missing; expected a file path"))
+
+    latent_dims: dict[str, np.ndarray] = {}
+    if latent_sizes:
+        for name in LATENT_COLUMNS:
+            values, status = _int_column(columns[name])
+            latent_dims[name] = values
+            checks.append(
+                (
+                    f"bad {name}",
+                    (status != _OK) | (values < 1),
+                    lambda r, name=name, status=status: (
+                        f"{label(r)}: {name} is missing; expected a positive integer"
+                        if status[r] == _MISSING
+                        else f"{label(r)}: {name}={_raw(columns[name], r)}; expected a positive integer"
+                    ),
+                )
+            )
+        # The pixel sizes whose VAE latent has this shape (rows with bad latent sizes are already
+        # reported above, so their placeholder 1s are never read).
+        (st, sh, sw) = vae_stride
+        lf, lh, lw = (np.maximum(latent_dims[c], 1) for c in LATENT_COLUMNS)
+        columns = {**columns, "num_frames": pa.array((lf - 1) * st + 1), "height": pa.array(lh * sh),
+                   "width": pa.array(lw * sw)}
 
     dims: dict[str, np.ndarray] = {}
     for name in _DIMS:
@@ -345,6 +373,17 @@ def _validate(
             lambda r: f"{label(r)}: unknown extension {ext[r].as_py() or '(none)'!r}; expected {known}",
         )
     )
+    if latent_sizes:
+        checks.append(
+            (
+                "raw media without pixel sizes",
+                is_image | is_video,
+                lambda r: (
+                    f"{label(r)}: a raw image/video needs num_frames, height and width columns; the latent_* "
+                    "columns describe precomputed latent files only"
+                ),
+            )
+        )
     checks.append(
         (
             "image with num_frames > 1",
@@ -530,7 +569,9 @@ def _load_tensors(path: str, what: str) -> dict[str, torch.Tensor]:
 class ManifestDataset(Dataset):
     """Samples listed in a manifest: precomputed latents, or images/videos encoded on the fly.
 
-    Shapes (and thus buckets) come from the manifest's ``num_frames, height, width`` columns only.
+    Shapes (and thus buckets) come from the manifest's ``num_frames, height, width`` columns only —
+    or, for precomputed latents, from ``latent_frames, latent_height, latent_width`` (the latent
+    shape; used when the pixel columns are absent).
     Each item is fitted to its bucket: the token grid those pixels give (VAE stride, then patch;
     sizes that are not a multiple of ``vae_stride x patch_size`` are cropped down).
 
@@ -568,6 +609,8 @@ class ManifestDataset(Dataset):
             media; it receives CPU tensors inside DataLoader workers.
         text_encoder: callable ``caption: str → [L, text_dim]`` used when a row has no embedding.
         check_files: check at construction that every file exists (one listing per directory).
+        latents_key: name of the latent tensor in latent files (default ``"latents"``).
+        context_key: name of the text context tensor in latent and embedding files (default ``"context"``).
 
     Attributes:
         report: :class:`ManifestReport` of skipped rows and replaced corrupt samples.
@@ -594,8 +637,14 @@ class ManifestDataset(Dataset):
         encoder: Callable[[torch.Tensor], torch.Tensor] | None = None,
         text_encoder: Callable[[str], torch.Tensor] | None = None,
         check_files: bool = True,
+        latents_key: str = "latents",
+        context_key: str = "context",
     ) -> None:
         cls = type(self).__name__
+        for name, value in (("latents_key", latents_key), ("context_key", context_key)):
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"`{cls}({name}={value!r})` is not valid. Expected a non-empty tensor name.")
+        self.latents_key, self.context_key = latents_key, context_key
         for name, value in (
             ("latent_channels", latent_channels),
             ("text_len", text_len),
@@ -699,11 +748,15 @@ class ManifestDataset(Dataset):
         expected = (self.latent_channels, int(grid[0]) * pt, int(grid[1]) * ph, int(grid[2]) * pw)
         file_context = None
         if self._kinds[index] == _KIND_LATENT:
-            tensors = _load_tensors(path, "latents")
-            if "latents" not in tensors:
-                raise CorruptSampleError(f"{path} has no 'latents' tensor (keys: {sorted(tensors)})")
-            latents = self._fit_latents(tensors["latents"], expected, path)
-            file_context = tensors.get("context")
+            key = self.latents_key
+            tensors = _load_tensors(path, key)
+            if key not in tensors:
+                raise CorruptSampleError(
+                    f"{path} has no {key!r} tensor (keys: {sorted(tensors)}); set `latents_key` "
+                    "(`data.dataset.latents_key=...`) to the name your files use"
+                )
+            latents = self._fit_latents(tensors[key], expected, path)
+            file_context = tensors.get(self.context_key)
         else:
             pixels = load_pixels(path, *bucket_pixel_shape(grid, self.vae_stride, self.patch_size))
             latents = self.encoder(pixels)
@@ -740,13 +793,16 @@ class ManifestDataset(Dataset):
         embedding = None if self._embeddings is None else self._embeddings[index].as_py()
         if embedding and embedding.strip():
             source = self._resolve(embedding)
-            tensors = _load_tensors(source, "context")
-            if "context" in tensors:
-                context = tensors["context"]
+            tensors = _load_tensors(source, self.context_key)
+            if self.context_key in tensors:
+                context = tensors[self.context_key]
             elif len(tensors) == 1:
                 context = next(iter(tensors.values()))
             else:
-                raise CorruptSampleError(f"{source} has no 'context' tensor (keys: {sorted(tensors)})")
+                raise CorruptSampleError(
+                    f"{source} has no {self.context_key!r} tensor (keys: {sorted(tensors)}); set `context_key` "
+                    "(`data.dataset.context_key=...`)"
+                )
         elif file_context is not None:
             context = file_context
         elif self.text_encoder is not None and self._captions is not None and self._captions[index].as_py():

@@ -465,3 +465,30 @@ def test_dataset_pickles_for_dataloader_workers(tmp_path):
         torch.testing.assert_close(clone[i]["latents"], ds[i]["latents"], rtol=0, atol=0)
     loader = torch.utils.data.DataLoader(ds, batch_size=1, num_workers=1, collate_fn=collate_batch)
     assert [b["index"].tolist() for b in loader] == [[0], [1]]
+
+
+def test_latent_shape_columns_and_tensor_keys(tmp_path):
+    rows = []
+    for i, (f, h, w) in enumerate([(1, 4, 6), (3, 8, 8)]):
+        save_file({"z": torch.full((16, f, h, w), float(i)), "txt": torch.ones(3, 8)}, tmp_path / f"s{i}.safetensors")
+        rows.append({"path": f"s{i}.safetensors", "latent_frames": f, "latent_height": h, "latent_width": w})
+    manifest = tmp_path / "latents.jsonl"
+    manifest.write_text("\n".join(json.dumps(r) for r in rows))
+    ds = ManifestDataset(manifest, text_len=4, text_dim=8, latents_key="z", context_key="txt")
+    assert ds.token_grids().tolist() == [[1, 2, 3], [3, 4, 4]]  # latent shape / patch (1, 2, 2)
+    item = ds[1]
+    assert item["latents"].shape == (16, 3, 8, 8) and float(item["latents"][0, 0, 0, 0]) == 1.0
+    assert item["context"].shape == (4, 8) and float(item["context"][:3].sum()) == 24.0
+    grids, _ = read_manifest_shapes(manifest)
+    assert grids.tolist() == [[1, 2, 3], [3, 4, 4]]
+    with pytest.raises(Exception, match=r"has no 'latents' tensor.*latents_key"):
+        ManifestDataset(manifest, text_len=4, text_dim=8)[0]
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({**rows[0], "latent_height": 0}))
+    with pytest.raises(ValueError, match=r"manifest row 1 \(s0.safetensors\): latent_height=0; expected a positive"):
+        read_manifest_shapes(bad)
+    media = tmp_path / "media.jsonl"
+    media.write_text(json.dumps({"path": "clip.mp4", "latent_frames": 1, "latent_height": 2, "latent_width": 2}))
+    with pytest.raises(ValueError, match=r"manifest row 1 \(clip.mp4\): a raw image/video needs num_frames"):
+        read_manifest_shapes(media)
