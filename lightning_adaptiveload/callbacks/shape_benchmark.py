@@ -421,7 +421,7 @@ class ShapeBenchmarkCallback(Callback):
             "model": record.model_fingerprint(pl_module),
             "device": _device_name(trainer.strategy.root_device),
             "precision": str(trainer.precision),
-            "strategy": type(trainer.strategy).__name__,
+            "strategy": _strategy_kind(trainer.strategy),
             "form": self.form,
             "grid": [[s.batch_size, *s.grid] for s in plan],
             "repeats": [self.warmup, self.repeats],
@@ -473,6 +473,17 @@ def _step(trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
     strategy.post_backward(loss)
     # Training zeroes gradients (set_to_none) every step, so each timed backward allocates them.
     _clear_grads(trainer, pl_module)
+
+
+def _strategy_kind(strategy: Any) -> str:
+    """The part of the strategy that changes a sample's step cost: replicated weights (one device or
+    DDP: a rank runs the whole model on its batch) or the sharding strategy's class. So resuming a
+    one-GPU run on eight DDP GPUs keeps the calibration."""
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    if isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+        return "replicated"
+    return type(strategy).__name__
 
 
 def _device_name(device: torch.device) -> str:

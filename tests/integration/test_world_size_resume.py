@@ -1,0 +1,60 @@
+"""Resume with another number of ranks while the shape benchmark is on: the calibration and the
+policy are kept, the sampler re-plans the rest of the epoch, and every sample trains once."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).with_name("fit_script.py")
+sys.path.insert(0, str(SCRIPT.parent))
+from fit_script import NUM_SAMPLES  # noqa: E402
+
+
+def _fit(tmp_path: Path, record: str, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "run"), str(tmp_path / record), *extra],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def _seen(tmp_path: Path, record: str) -> list[int]:
+    out = []
+    for rank in (0, 1):
+        path = tmp_path / f"{record}.rank{rank}"
+        if path.exists():
+            out += [i for line in path.read_text().splitlines() for i in json.loads(line)]
+    return out
+
+
+@pytest.mark.parametrize("first, second", [(2, 1), (1, 2)])
+def test_resume_on_another_world_size_keeps_calibration_and_sees_every_sample(tmp_path, first, second):
+    _fit(tmp_path, "a", "--devices", str(first), "--max-steps", "2")
+    a = json.loads((tmp_path / "a.json").read_text())
+    assert a["source"] == "profiled" and a["global_step"] == 2
+    _fit(tmp_path, "b", "--devices", str(second), "--ckpt", str(tmp_path / "run" / "ckpt" / "step=2.ckpt"))
+    b = json.loads((tmp_path / "b.json").read_text())
+    # The checkpoint's calibration and policy, not a new profile on the new world size.
+    assert b["source"] == "checkpoint" and not b["profiled"]
+    assert b["policy"] == a["policy"] and b["world_size"] == second
+    seen = _seen(tmp_path, "a") + _seen(tmp_path, "b")
+    assert sorted(set(seen)) == list(range(NUM_SAMPLES))
+    # Repeats come only from counted padding: at most one padded step per segment (world - 1 batches).
+    assert len(seen) - NUM_SAMPLES <= a["plan"]["padded_samples"] + b["plan"]["padded_samples"]
+
+
+def test_diffusers_wan_trains_on_two_ranks_with_every_callback(tmp_path):
+    pytest.importorskip("diffusers")
+    _fit(tmp_path, "d", "--devices", "2", "--model", "diffusers", "--max-steps", "3")
+    d = json.loads((tmp_path / "d.json").read_text())
+    assert d["global_step"] == 3 and d["world_size"] == 2 and d["source"] == "profiled"
+    assert d["summary"]["steps"] == 3 and d["summary"]["tflops_per_gpu"] > 0
+    assert len(_seen(tmp_path, "d")) > 0
