@@ -27,6 +27,7 @@ from typing_extensions import override
 from lightning_adaptiveload.calibration import derive, record
 from lightning_adaptiveload.calibration.costmodel import FORMS
 from lightning_adaptiveload.calibration.profile import MemoryProbe, plan_grid, profile
+from lightning_adaptiveload.models.protocol import check_module
 from lightning_adaptiveload.reporting import plot_calibration, print_calibration
 
 _STATE_VERSION = 2
@@ -191,13 +192,8 @@ class ShapeBenchmarkCallback(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit" or not self.enabled:
             return
-        missing = [n for n in ("compute_loss", "synthetic_batch") if not callable(getattr(pl_module, n, None))]
-        if missing:
-            raise MisconfigurationException(
-                f"`ShapeBenchmarkCallback` needs the LightningModule to implement {missing}; "
-                f"{type(pl_module).__name__} does not (see lightning_adaptiveload.models.protocol and "
-                "FlowMatchingModule)."
-            )
+        # batch_shape is optional here: with it, every synthetic batch is checked against its grid.
+        check_module(pl_module, ("compute_loss", "synthetic_batch"), who="`ShapeBenchmarkCallback`")
         dm = trainer.datamodule
         dataset = getattr(dm, "dataset", None)
         if (
