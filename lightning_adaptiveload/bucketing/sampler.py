@@ -45,6 +45,8 @@ _BALANCE_MODES = ("cost", "none")
 _AXIS_BITS = 21
 # Version 2 added the shapes to the fingerprint; version-1 states are read (without that check).
 _STATE_VERSION = 2
+# Rows handled at a time when indexing shapes (bounds the temporaries at 10^8 samples).
+_CHUNK = 1 << 22
 _READABLE_STATE_VERSIONS = (1, 2)
 
 
@@ -192,23 +194,37 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
             )
         if grids.shape[0] == 0:
             raise ValueError("`shapes` is empty: the dataset has no samples to batch.")
-        grids = grids.astype(np.int64, copy=False)
-        bad = (grids < 1).any(axis=1) | (grids >= (1 << _AXIS_BITS)).any(axis=1)
+        # No int64 copy of the grids: at 10^8 samples it alone would be 2.4 GB. Every per-sample
+        # array below is built chunk by chunk into its final (small) dtype.
+        n = int(grids.shape[0])
+        lo, hi = grids.min(axis=1), grids.max(axis=1)
+        bad = (lo < 1) | (hi >= (1 << _AXIS_BITS))
+        del lo, hi
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             raise ValueError(
                 f"Sample {i} has token grid {tuple(grids[i].tolist())}; expected three positive integers "
                 f"below {1 << _AXIS_BITS}. Check the dataset's `token_grids()`."
             )
-        keys, inverse, counts = np.unique(_pack_grids(grids), return_inverse=True, return_counts=True)
+        del bad
+        packed = np.empty(n, dtype=np.int64)
+        for start in range(0, n, _CHUNK):
+            packed[start:start + _CHUNK] = _pack_grids(grids[start:start + _CHUNK].astype(np.int64))
+        keys = np.unique(packed)
+        # uint16 bucket ids let numpy's stable argsort use radix sort (O(N)) in every epoch plan.
+        self._bucket_of = np.empty(n, dtype=np.uint16 if len(keys) <= 1 << 16 else np.int32)
+        for start in range(0, n, _CHUNK):
+            self._bucket_of[start:start + _CHUNK] = np.searchsorted(keys, packed[start:start + _CHUNK])
+        del packed
+        counts = np.bincount(self._bucket_of, minlength=len(keys))
         mask = (1 << _AXIS_BITS) - 1
         self.bucket_grids = np.stack(
             [keys >> (2 * _AXIS_BITS), (keys >> _AXIS_BITS) & mask, keys & mask], axis=1
         ).astype(np.int64)
         self.bucket_counts = counts.astype(np.int64)
         self.bucket_seq_lens = self.bucket_grids.prod(axis=1)
-        # uint16 bucket ids let numpy's stable argsort use radix sort (O(N)) in every epoch plan.
-        self._bucket_of = inverse.reshape(-1).astype(np.uint16 if len(keys) <= 1 << 16 else np.int32)
+        # Sample indices fit 32 bits below 2^31 samples: half the memory of every plan array.
+        self._index_dtype = np.int32 if n < 2**31 else np.int64
         self._shapes_digest: str | None = None
         self.num_samples = int(grids.shape[0])
         self._set_batch_sizes()
@@ -258,12 +274,14 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
         rng = np.random.default_rng([self.seed, self.epoch, segment])
         bs_of_bucket = self.bucket_batch_sizes
         if base is None:
-            base = np.arange(self.num_samples, dtype=np.int64)
+            base = np.arange(self.num_samples, dtype=self._index_dtype)
             if self.skipped_oversize:
                 base = base[bs_of_bucket[self._bucket_of] > 0]
         idx = rng.permutation(base) if self.shuffle else base
         buckets = self._bucket_of[idx]
-        idx = idx[np.argsort(buckets, kind="stable")]
+        order = np.argsort(buckets, kind="stable")
+        idx = idx[order]
+        del order
         num_buckets = len(bs_of_bucket)
         counts = np.bincount(buckets, minlength=num_buckets).astype(np.int64)
         del buckets
@@ -312,7 +330,7 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
         rest = np.zeros(self.num_samples, dtype=bool)
         rest[plan.samples_of(plan.steps[steps_taken:].reshape(-1))] = True
         rest[plan.samples_of(plan.steps[:steps_taken].reshape(-1))] = False
-        return np.flatnonzero(rest)
+        return np.flatnonzero(rest).astype(self._index_dtype)
 
     def plan(self) -> EpochPlan:
         """The plan this rank iterates now: the whole epoch, or after a resume under another world

@@ -284,3 +284,12 @@ def test_bucket_table():
         {"grid": (1, 2, 2), "seq_len": 4, "samples": 5, "batch_size": 64, "batches": 1},
         {"grid": (5, 4, 6), "seq_len": 120, "samples": 3, "batch_size": 1, "batches": 3},
     ]
+
+
+def test_compact_dtypes_same_plan():
+    shapes = _shapes(4, 5000)
+    a = AdaptiveBucketBatchSampler(shapes.astype(np.int64), POLICY, num_replicas=3, rank=2, seed=1)
+    b = AdaptiveBucketBatchSampler(shapes.astype(np.int32), POLICY, num_replicas=3, rank=2, seed=1)
+    assert list(a) == list(b)
+    assert b.plan().order.dtype == np.int32 and b._bucket_of.dtype == np.uint16
+    assert b.shapes_fingerprint() == a.shapes_fingerprint()
