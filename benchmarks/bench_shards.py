@@ -69,7 +69,11 @@ def build_index(path: Path, n: int) -> float:
     num_shards = int(shard_id[-1]) + 1
     shard_names = pa.array([f"shards/shard-{i:06d}.tar" for i in range(num_shards)])
     columns = {
-        "shard": pa.DictionaryArray.from_arrays(pa.array(shard_id), shard_names).cast(pa.string()),
+        # In chunks: one Arrow string array holds at most 2 GiB, which 10^8 shard paths exceed.
+        "shard": pa.chunked_array([
+            pa.DictionaryArray.from_arrays(pa.array(shard_id[i:i + 10_000_000]), shard_names).cast(pa.string())
+            for i in range(0, n, 10_000_000)
+        ]),
         "shard_id": shard_id, "key": keys,
         "latents_offset": start + 512, "latents_size": lat_size,
         "context_offset": start + 512 + pad(lat_size) + 512, "context_size": ctx_size,

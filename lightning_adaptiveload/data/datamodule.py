@@ -129,9 +129,10 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
 
     @property
     def shapes(self) -> np.ndarray:
-        """The dataset's token grids ``[N, 3]`` (read once)."""
+        """The dataset's token grids ``[N, 3]`` (read once, kept in the dataset's integer dtype)."""
         if self._shapes is None:
-            self._shapes = np.asarray(self.dataset.token_grids(), dtype=np.int64)
+            shapes = np.asarray(self.dataset.token_grids())
+            self._shapes = shapes if shapes.dtype.kind in "iu" else shapes.astype(np.int64)
         return self._shapes
 
     @property
