@@ -67,7 +67,7 @@ class EpochPlan:
     batch_len: np.ndarray  # samples per batch
     batch_bucket: np.ndarray  # bucket id of each batch
     batch_cost: np.ndarray  # predicted cost of each batch
-    steps: np.ndarray  # int64 [num_steps, num_replicas] batch ids (pads repeat ids)
+    steps: np.ndarray  # [num_steps, num_replicas] batch ids (pads repeat ids)
     padded_batches: int
     padded_samples: int
     dropped_batches: int
@@ -85,6 +85,33 @@ class EpochPlan:
             return np.empty(0, dtype=np.int64)
         shift = self.batch_start[batch_ids] - (np.cumsum(lens) - lens)
         return self.order[np.repeat(shift, lens) + np.arange(total, dtype=np.int64)]
+
+
+def _stable_sort_by_bucket(idx: np.ndarray, bucket_of: np.ndarray, num_buckets: int) -> tuple[np.ndarray, np.ndarray]:
+    """``idx`` stably sorted by ``bucket_of[idx]``, and the count of each bucket.
+
+    Chunk by chunk: each chunk is sorted on its own (numpy's radix sort for small integer keys),
+    and every chunk's run of a bucket is copied after the earlier chunks' runs of that bucket. The
+    result is exactly ``idx[np.argsort(bucket_of[idx], kind="stable")]``, without an int64 argsort of
+    all N samples (at 10^8 samples that array alone is 800 MB).
+    """
+    n = len(idx)
+    counts = np.zeros(num_buckets, dtype=np.int64)
+    for start in range(0, n, _CHUNK):
+        counts += np.bincount(bucket_of[idx[start:start + _CHUNK]], minlength=num_buckets)
+    out = np.empty_like(idx)
+    next_pos = np.cumsum(counts) - counts  # where each bucket's next sample goes
+    for start in range(0, n, _CHUNK):
+        chunk = idx[start:start + _CHUNK]
+        keys = bucket_of[chunk]
+        chunk = chunk[np.argsort(keys, kind="stable")]
+        chunk_counts = np.bincount(keys, minlength=num_buckets)
+        offsets = np.cumsum(chunk_counts) - chunk_counts
+        for b in np.flatnonzero(chunk_counts).tolist():
+            c = int(chunk_counts[b])
+            out[next_pos[b]:next_pos[b] + c] = chunk[offsets[b]:offsets[b] + c]
+            next_pos[b] += c
+    return out, counts
 
 
 def _pack_grids(grids: np.ndarray) -> np.ndarray:
@@ -210,7 +237,8 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
         packed = np.empty(n, dtype=np.int64)
         for start in range(0, n, _CHUNK):
             packed[start:start + _CHUNK] = _pack_grids(grids[start:start + _CHUNK].astype(np.int64))
-        keys = np.unique(packed)
+        # Distinct grids are few: unique per chunk, then of the union (no sorted copy of all N keys).
+        keys = np.unique(np.concatenate([np.unique(packed[s:s + _CHUNK]) for s in range(0, n, _CHUNK)]))
         # uint16 bucket ids let numpy's stable argsort use radix sort (O(N)) in every epoch plan.
         self._bucket_of = np.empty(n, dtype=np.uint16 if len(keys) <= 1 << 16 else np.int32)
         for start in range(0, n, _CHUNK):
@@ -278,24 +306,22 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
             if self.skipped_oversize:
                 base = base[bs_of_bucket[self._bucket_of] > 0]
         idx = rng.permutation(base) if self.shuffle else base
-        buckets = self._bucket_of[idx]
-        order = np.argsort(buckets, kind="stable")
-        idx = idx[order]
-        del order
+        base = None  # the permutation is a copy: free the sorted indices before the sort below
         num_buckets = len(bs_of_bucket)
-        counts = np.bincount(buckets, minlength=num_buckets).astype(np.int64)
-        del buckets
+        idx, counts = _stable_sort_by_bucket(idx, self._bucket_of, num_buckets)
         bsz = np.maximum(bs_of_bucket, 1)
         nb = -(-counts // bsz)
         total = int(nb.sum())
-        batch_bucket = np.repeat(np.arange(num_buckets, dtype=np.int64), nb)
+        # Per-batch arrays in 32 bits where the values fit: a 10^8-sample epoch has ~3.5e7 batches.
+        batch_bucket = np.repeat(np.arange(num_buckets, dtype=np.int32), nb)
         within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(nb) - nb, nb)
         first = np.cumsum(counts) - counts
-        batch_start = first[batch_bucket] + within * bsz[batch_bucket]
-        batch_len = np.minimum(bsz[batch_bucket], counts[batch_bucket] - within * bsz[batch_bucket])
+        batch_start = (first[batch_bucket] + within * bsz[batch_bucket]).astype(self._index_dtype)
+        batch_len = np.minimum(bsz[batch_bucket], counts[batch_bucket] - within * bsz[batch_bucket]).astype(np.int32)
+        del within
         cost = batch_costs(batch_len, self.bucket_seq_lens[batch_bucket], self.cost_model, self._cost_exponent())
 
-        ids = np.arange(total, dtype=np.int64)
+        ids = np.arange(total, dtype=self._index_dtype)
         if self.shuffle:
             ids = rng.permutation(ids)
         rem = total % num_replicas

@@ -364,8 +364,14 @@ class ShardedLatentDataset(Dataset):
         return pq.ParquetFile(self.path.removeprefix("file://"))
 
     def _batches(self, columns: Sequence[str]):
+        # One row group at a time, each table dropped before the next is read: `iter_batches` keeps
+        # what it decoded until the file is closed (~19 bytes a row, 1.9 GB at 10^8 rows).
         with self._parquet() as pf:
-            yield from pf.iter_batches(batch_size=1 << 20, columns=list(columns))
+            for i in range(pf.metadata.num_row_groups):
+                table = pf.read_row_group(i, columns=list(columns))
+                yield from table.to_batches()
+                del table
+                pa.default_memory_pool().release_unused()
 
     def _read_columns(self, check_shards: bool) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """Stream the index into compact arrays (36 bytes a row), and each shard's furthest byte needed.

@@ -293,3 +293,19 @@ def test_compact_dtypes_same_plan():
     assert list(a) == list(b)
     assert b.plan().order.dtype == np.int32 and b._bucket_of.dtype == np.uint16
     assert b.shapes_fingerprint() == a.shapes_fingerprint()
+
+
+def test_chunked_indexing_and_bucket_sort_match_the_whole_array_versions(monkeypatch):
+    from lightning_adaptiveload.bucketing import sampler as sampler_module
+
+    shapes = _shapes(7, 3001)
+    whole = [list(AdaptiveBucketBatchSampler(shapes, POLICY, num_replicas=5, rank=r, seed=2)) for r in range(5)]
+    monkeypatch.setattr(sampler_module, "_CHUNK", 7)  # many chunks, uneven last one
+    chunked = [list(AdaptiveBucketBatchSampler(shapes, POLICY, num_replicas=5, rank=r, seed=2)) for r in range(5)]
+    assert chunked == whole
+    rng = np.random.default_rng(0)
+    idx = rng.permutation(1000).astype(np.int32)
+    bucket_of = rng.integers(0, 9, 1000).astype(np.uint16)
+    out, counts = sampler_module._stable_sort_by_bucket(idx, bucket_of, 9)
+    assert np.array_equal(out, idx[np.argsort(bucket_of[idx], kind="stable")])
+    assert counts.tolist() == np.bincount(bucket_of, minlength=9).tolist()
