@@ -319,44 +319,34 @@ def _validate(
     )
     checks.append(("missing path", no_path, lambda r: f"{label(r)}: path is missing; expected a file path"))
 
-    latent_dims: dict[str, np.ndarray] = {}
-    if latent_sizes:
-        for name in LATENT_COLUMNS:
-            values, status = _int_column(columns[name])
-            latent_dims[name] = values
+    def positive_ints(names: Sequence[str], cols: dict[str, Any]) -> dict[str, np.ndarray]:
+        """Integer values of size columns, with a check per column that names the bad value."""
+        out = {}
+        for name in names:
+            values, status = _int_column(cols[name])
+            out[name] = values
             checks.append(
                 (
                     f"bad {name}",
                     (status != _OK) | (values < 1),
-                    lambda r, name=name, status=status: (
+                    lambda r, name=name, status=status, cols=cols: (
                         f"{label(r)}: {name} is missing; expected a positive integer"
                         if status[r] == _MISSING
-                        else f"{label(r)}: {name}={_raw(columns[name], r)}; expected a positive integer"
+                        else f"{label(r)}: {name}={_raw(cols[name], r)}; expected a positive integer"
                     ),
                 )
             )
+        return out
+
+    if latent_sizes:
+        latent_dims = positive_ints(LATENT_COLUMNS, columns)
         # The pixel sizes whose VAE latent has this shape (rows with bad latent sizes are already
         # reported above, so their placeholder 1s are never read).
         (st, sh, sw) = vae_stride
         lf, lh, lw = (np.maximum(latent_dims[c], 1) for c in LATENT_COLUMNS)
         columns = {**columns, "num_frames": pa.array((lf - 1) * st + 1), "height": pa.array(lh * sh),
                    "width": pa.array(lw * sw)}
-
-    dims: dict[str, np.ndarray] = {}
-    for name in _DIMS:
-        values, status = _int_column(columns[name])
-        dims[name] = values
-        checks.append(
-            (
-                f"bad {name}",
-                (status != _OK) | (values < 1),
-                lambda r, name=name, status=status: (
-                    f"{label(r)}: {name} is missing; expected a positive integer"
-                    if status[r] == _MISSING
-                    else f"{label(r)}: {name}={_raw(columns[name], r)}; expected a positive integer"
-                ),
-            )
-        )
+    dims = positive_ints(_DIMS, columns)
 
     ext = _extensions(paths)
     is_image = pc.is_in(ext, pa.array(IMAGE_EXTENSIONS)).to_numpy(zero_copy_only=False)
