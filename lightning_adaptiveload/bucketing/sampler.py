@@ -114,6 +114,59 @@ def _stable_sort_by_bucket(idx: np.ndarray, bucket_of: np.ndarray, num_buckets: 
     return out, counts
 
 
+def _as_grids(shapes: Any) -> np.ndarray:
+    """``shapes`` as an integer ``[N, 3]`` array in its own dtype (no int64 copy: 2.4 GB at 10^8)."""
+    grids = np.asarray(shapes)
+    if grids.ndim != 2 or grids.shape[1] != 3 or grids.dtype.kind not in "iu":
+        raise ValueError(
+            f"`shapes` must be an integer array [N, 3] of token grids (f, h, w); got shape "
+            f"{grids.shape} and dtype {grids.dtype}."
+        )
+    if grids.shape[0] == 0:
+        raise ValueError("`shapes` is empty: the dataset has no samples to batch.")
+    return grids
+
+
+def _packed_keys(grids: np.ndarray) -> np.ndarray:
+    """One int64 key per sample, built chunk by chunk; raises naming the first invalid grid."""
+    bad = (grids.min(axis=1) < 1) | (grids.max(axis=1) >= (1 << _AXIS_BITS))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(
+            f"Sample {i} has token grid {tuple(grids[i].tolist())}; expected three positive integers "
+            f"below {1 << _AXIS_BITS}. Check the dataset's `token_grids()`."
+        )
+    n = len(grids)
+    packed = np.empty(n, dtype=np.int64)
+    for start in range(0, n, _CHUNK):
+        packed[start:start + _CHUNK] = _pack_grids(grids[start:start + _CHUNK].astype(np.int64))
+    return packed
+
+
+def _distinct(packed: np.ndarray) -> np.ndarray:
+    """Sorted distinct keys: unique per chunk, then of the union (no sorted copy of all N keys)."""
+    return np.unique(np.concatenate([np.unique(packed[s:s + _CHUNK]) for s in range(0, len(packed), _CHUNK)]))
+
+
+def _unpack(keys: np.ndarray) -> np.ndarray:
+    mask = (1 << _AXIS_BITS) - 1
+    return np.stack([keys >> (2 * _AXIS_BITS), (keys >> _AXIS_BITS) & mask, keys & mask], axis=1).astype(np.int64)
+
+
+def count_buckets(shapes: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct token grids ``[K, 3]`` (int64, sorted) and how many samples have each ``[K]``.
+
+    What the sampler buckets by, for callers that need only the buckets (calibration, reports):
+    memory stays near 8 bytes a sample, so it serves 10^8-sample corpora.
+    """
+    packed = _packed_keys(_as_grids(shapes))
+    keys = _distinct(packed)
+    counts = np.zeros(len(keys), dtype=np.int64)
+    for start in range(0, len(packed), _CHUNK):
+        counts += np.bincount(np.searchsorted(keys, packed[start:start + _CHUNK]), minlength=len(keys))
+    return _unpack(keys), counts
+
+
 def _pack_grids(grids: np.ndarray) -> np.ndarray:
     return (grids[:, 0] << (2 * _AXIS_BITS)) | (grids[:, 1] << _AXIS_BITS) | grids[:, 2]
 
@@ -213,48 +266,23 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
 
     # ------------------------------------------------------------------ shapes and buckets
     def _index_shapes(self, shapes: Sequence[Sequence[int]] | np.ndarray) -> None:
-        grids = np.asarray(shapes)
-        if grids.ndim != 2 or grids.shape[1] != 3 or grids.dtype.kind not in "iu":
-            raise ValueError(
-                f"`shapes` must be an integer array [N, 3] of token grids (f, h, w); got shape "
-                f"{grids.shape} and dtype {grids.dtype}."
-            )
-        if grids.shape[0] == 0:
-            raise ValueError("`shapes` is empty: the dataset has no samples to batch.")
-        # No int64 copy of the grids: at 10^8 samples it alone would be 2.4 GB. Every per-sample
-        # array below is built chunk by chunk into its final (small) dtype.
+        grids = _as_grids(shapes)
         n = int(grids.shape[0])
-        lo, hi = grids.min(axis=1), grids.max(axis=1)
-        bad = (lo < 1) | (hi >= (1 << _AXIS_BITS))
-        del lo, hi
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise ValueError(
-                f"Sample {i} has token grid {tuple(grids[i].tolist())}; expected three positive integers "
-                f"below {1 << _AXIS_BITS}. Check the dataset's `token_grids()`."
-            )
-        del bad
-        packed = np.empty(n, dtype=np.int64)
-        for start in range(0, n, _CHUNK):
-            packed[start:start + _CHUNK] = _pack_grids(grids[start:start + _CHUNK].astype(np.int64))
-        # Distinct grids are few: unique per chunk, then of the union (no sorted copy of all N keys).
-        keys = np.unique(np.concatenate([np.unique(packed[s:s + _CHUNK]) for s in range(0, n, _CHUNK)]))
+        packed = _packed_keys(grids)
+        keys = _distinct(packed)
         # uint16 bucket ids let numpy's stable argsort use radix sort (O(N)) in every epoch plan.
         self._bucket_of = np.empty(n, dtype=np.uint16 if len(keys) <= 1 << 16 else np.int32)
         for start in range(0, n, _CHUNK):
             self._bucket_of[start:start + _CHUNK] = np.searchsorted(keys, packed[start:start + _CHUNK])
         del packed
         counts = np.bincount(self._bucket_of, minlength=len(keys))
-        mask = (1 << _AXIS_BITS) - 1
-        self.bucket_grids = np.stack(
-            [keys >> (2 * _AXIS_BITS), (keys >> _AXIS_BITS) & mask, keys & mask], axis=1
-        ).astype(np.int64)
+        self.bucket_grids = _unpack(keys)
         self.bucket_counts = counts.astype(np.int64)
         self.bucket_seq_lens = self.bucket_grids.prod(axis=1)
         # Sample indices fit 32 bits below 2^31 samples: half the memory of every plan array.
         self._index_dtype = np.int32 if n < 2**31 else np.int64
         self._shapes_digest: str | None = None
-        self.num_samples = int(grids.shape[0])
+        self.num_samples = n
         self._set_batch_sizes()
 
     def _set_batch_sizes(self) -> None:

@@ -41,6 +41,7 @@ from lightning_adaptiveload.bucketing.policy import (
     DualConstraintPolicy,
     EqualTokenPolicy,
 )
+from lightning_adaptiveload.bucketing.sampler import count_buckets
 from lightning_adaptiveload.calibration.costmodel import CostModel, MemoryModel
 from lightning_adaptiveload.calibration.simulate import simulate
 
@@ -148,14 +149,13 @@ class Derivation:
         )
 
 
-def _simulation_corpus(grids: np.ndarray, max_samples: int) -> np.ndarray:
-    """The corpus itself, or one with the same buckets in the same proportions and at most about
-    ``max_samples`` samples (every bucket keeps at least one)."""
-    if len(grids) <= max_samples:
-        return grids
-    uniq, counts = np.unique(grids, axis=0, return_counts=True)
-    scaled = np.maximum(1, np.round(counts * (max_samples / len(grids)))).astype(np.int64)
-    return np.repeat(uniq, scaled, axis=0)
+def _simulation_corpus(grids: np.ndarray, counts: np.ndarray, max_samples: int) -> np.ndarray:
+    """Distinct ``grids`` with their sample ``counts`` as a corpus: all of it, or the same buckets in
+    the same proportions with about ``max_samples`` samples (every bucket keeps at least one)."""
+    total = int(counts.sum())
+    if total > max_samples:
+        counts = np.maximum(1, np.round(counts * (max_samples / total))).astype(np.int64)
+    return np.repeat(grids, counts, axis=0)
 
 
 def _predict(grids: np.ndarray, policy: BatchSizePolicy, world_size: int, cost_model: CostModel,
@@ -170,6 +170,7 @@ def derive_policy(
     grids: Any,
     m_mem: int,
     *,
+    counts: Any = None,
     world_size: int = 1,
     balance: str = "cost",
     step_budget_s: float | None = None,
@@ -181,8 +182,11 @@ def derive_policy(
 
     Args:
         cost_model: the fitted step-time model.
-        grids: every sample's token grid ``[N, 3]`` (samples with ``S > m_mem`` are left out of the
-            choice; the policy's ``oversize`` decides what training does with them).
+        grids: every sample's token grid ``[N, 3]`` — or, with ``counts``, the distinct grids (e.g.
+            from :func:`~lightning_adaptiveload.bucketing.sampler.count_buckets`). Samples with
+            ``S > m_mem`` are left out of the choice; the policy's ``oversize`` decides what training
+            does with them.
+        counts: samples per grid of ``grids`` (``None``: ``grids`` lists every sample).
         m_mem: tokens per batch that fit in memory.
         world_size: ranks the corpus is planned for.
         balance: the sampler's step grouping the run uses (``"cost"`` or ``"none"``).
@@ -194,18 +198,21 @@ def derive_policy(
     Raises:
         ValueError: no sample fits ``m_mem``, or a given budget is not above the fixed overhead.
     """
+    if counts is None:
+        grids, counts = count_buckets(grids)
     grids = np.asarray(grids, dtype=np.int64).reshape(-1, 3)
+    counts = np.asarray(counts, dtype=np.int64).reshape(-1)
     if isinstance(m_mem, bool) or int(m_mem) != m_mem or m_mem < 1:
         raise ValueError(f"`m_mem={m_mem!r}` is not valid. Expected a positive integer token count.")
     m_mem = int(m_mem)
     seq = grids.prod(axis=1)
-    fits = grids[seq <= m_mem]
-    if len(fits) == 0:
+    fits = seq <= m_mem
+    if not fits.any():
         raise ValueError(
             f"No sample fits the memory budget m_mem={m_mem} tokens (the shortest has S={int(seq.min())}). "
             "Shard the model, enable activation checkpointing, or use shorter samples."
         )
-    corpus = _simulation_corpus(fits, _MAX_SIMULATED_SAMPLES)
+    corpus = _simulation_corpus(grids[fits], counts[fits], _MAX_SIMULATED_SAMPLES)
     uniq = np.unique(corpus.prod(axis=1))
     baseline = _predict(corpus, EqualTokenPolicy(m_mem), world_size, cost_model, "none", seed)
     candidates: list[tuple[float, float]] = []

@@ -24,6 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.seed import isolate_rng
 from typing_extensions import override
 
+from lightning_adaptiveload.bucketing.sampler import count_buckets
 from lightning_adaptiveload.calibration import derive, record
 from lightning_adaptiveload.calibration.costmodel import FORMS
 from lightning_adaptiveload.calibration.profile import MemoryProbe, plan_grid, profile
@@ -214,11 +215,11 @@ class ShapeBenchmarkCallback(Callback):
             return
         self._fit_started = True
         self.profiled = False
-        grids = self._grids(trainer)
+        grids, counts = self._buckets(trainer)
         oversize = getattr(getattr(trainer.datamodule, "policy", None), "oversize", "error")
         max_seq_len = None
         if self.m_mem is not None:
-            _check_oversize(grids, self.m_mem, oversize)
+            _check_oversize(grids, counts, self.m_mem, oversize)
             max_seq_len = self.m_mem
         plan = plan_grid(grids, self.batch_sizes, self.max_shapes, max_seq_len=max_seq_len, max_tokens=self.m_mem)
         key = self._key(trainer, pl_module, plan)
@@ -247,7 +248,7 @@ class ShapeBenchmarkCallback(Callback):
             cal, source = self._profile(trainer, pl_module, plan, key), "profiled"
             if self.cache_dir is not None and trainer.is_global_zero:
                 record.write_cache(self.cache_dir, cal)
-        self._apply(trainer, pl_module, cal, grids, source, derived)
+        self._apply(trainer, pl_module, cal, (grids, counts), source, derived)
 
     @override
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -269,7 +270,7 @@ class ShapeBenchmarkCallback(Callback):
             "`ShapeBenchmarkCallback`: this strategy restores checkpoints after `on_fit_start`; using the "
             "checkpoint's calibration so the resumed bucket plan matches. Set `cache_dir` to skip profiling on resume."
         )
-        self._apply(trainer, pl_module, restored, self._grids(trainer), "checkpoint", state.get("derived"))
+        self._apply(trainer, pl_module, restored, self._buckets(trainer), "checkpoint", state.get("derived"))
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -357,8 +358,9 @@ class ShapeBenchmarkCallback(Callback):
         return record.Calibration.from_json(trainer.strategy.broadcast(cal.to_json()))
 
     # ------------------------------------------------------------------ applying a calibration
-    def _apply(self, trainer: Trainer, pl_module: LightningModule, cal: record.Calibration, grids: np.ndarray,
-               source: str, derived: dict[str, Any] | None) -> None:
+    def _apply(self, trainer: Trainer, pl_module: LightningModule, cal: record.Calibration,
+               buckets: tuple[np.ndarray, np.ndarray], source: str, derived: dict[str, Any] | None) -> None:
+        grids, counts = buckets
         dm = trainer.datamodule
         oversize = getattr(getattr(dm, "policy", None), "oversize", "error")
         s_max = int(grids.prod(axis=1).max())
@@ -374,10 +376,10 @@ class ShapeBenchmarkCallback(Callback):
                     cal.measurements, cal.memory_model, cal.device_memory, margin=self.memory_margin,
                     pending_bytes=cal.optimizer_bytes, longest_seq_len=s_max)
                 rank_zero_info(f"`ShapeBenchmarkCallback`: M_mem = {m_mem:,} tokens ({how})")
-            _check_oversize(grids, m_mem, oversize)
+            _check_oversize(grids, counts, m_mem, oversize)
             budget = self.step_budget_s
         derivation = derive.derive_policy(
-            cal.cost_model, grids, m_mem, world_size=trainer.world_size, balance=getattr(dm, "balance", "cost"),
+            cal.cost_model, grids, m_mem, counts=counts, world_size=trainer.world_size, balance=getattr(dm, "balance", "cost"),
             step_budget_s=budget, oversize=oversize, seed=int(getattr(dm, "seed", 0) or 0))
         dm.set_cost_model(cal.cost_model)
         dm.set_policy(derivation.policy)
@@ -400,11 +402,12 @@ class ShapeBenchmarkCallback(Callback):
             (save_dir / "shape_benchmark.json").write_text(json.dumps(out, indent=2, sort_keys=True))
             plot_calibration(cal, save_dir / "shape_benchmark.png")
 
-    def _grids(self, trainer: Trainer) -> np.ndarray:
-        grids = np.asarray(trainer.datamodule.dataset.token_grids(), dtype=np.int64).reshape(-1, 3)
+    def _buckets(self, trainer: Trainer) -> tuple[np.ndarray, np.ndarray]:
+        """The dataset's distinct token grids and their sample counts (calibration needs no more)."""
+        grids = np.asarray(trainer.datamodule.dataset.token_grids())
         if len(grids) == 0:
             raise MisconfigurationException("`ShapeBenchmarkCallback`: the dataset has no samples to profile.")
-        return grids
+        return count_buckets(grids)
 
     def _resolve_save_dir(self, trainer: Trainer) -> Path:
         if self.save_dir is not None:
@@ -438,14 +441,14 @@ def _key_diff(a: dict[str, Any], b: dict[str, Any]) -> str:
     return ", ".join(diff) + " differ" if diff else "same key"
 
 
-def _check_oversize(grids: np.ndarray, m_mem: int, oversize: str) -> None:
+def _check_oversize(grids: np.ndarray, counts: np.ndarray, m_mem: int, oversize: str) -> None:
     seq = grids.prod(axis=1)
     over = np.flatnonzero(seq > m_mem)
     if over.size and oversize == "error":
         i = int(over[0])
         raise ValueError(
-            f"Sample {i} has token grid {tuple(int(v) for v in grids[i])} (S={int(seq[i]):,} tokens; {over.size} "
-            f"samples in all are above M_mem={m_mem:,}): it would run out of memory even alone. Enable activation "
+            f"{int(counts[i])} samples have token grid {tuple(int(v) for v in grids[i])} (S={int(seq[i]):,} tokens; "
+            f"{int(counts[over].sum())} samples in all are above M_mem={m_mem:,}): each would run out of memory alone. Enable activation "
             "checkpointing or shard the model to raise M_mem, crop or remove such samples, or set "
             "`bucketing.policy.oversize=skip` to leave them out (counted; they are not profiled either)."
         )
