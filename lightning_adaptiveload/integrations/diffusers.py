@@ -40,7 +40,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.normalization import FP32LayerNorm
 from diffusers.models.transformers.transformer_wan import WanTransformer3DModel, WanTransformerBlock
@@ -50,7 +49,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_adaptiveload.geometry import tokens_of
-from lightning_adaptiveload.models.flow_matching import shift_timesteps
+from lightning_adaptiveload.models.flow_matching import rectified_flow_loss
 from lightning_adaptiveload.ops import adaln
 
 __all__ = ["DiffusersWanModule", "patch_wan_transformer", "unpatch_wan_transformer"]
@@ -367,15 +366,7 @@ class DiffusersWanModule(pl.LightningModule):
 
     def compute_loss(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Rectified-flow loss (fp32 scalar) of a batch with ``latents [B,C,F,H,W]`` and ``context [B,L,D]``."""
-        x0 = batch["latents"].float()
-        b = x0.shape[0]
-        u = torch.rand(b, device=x0.device)
-        t = shift_timesteps(u, self.hparams.timestep_shift)
-        noise = torch.randn_like(x0)
-        tb = t.view(b, 1, 1, 1, 1)
-        x_t = (1 - tb) * x0 + tb * noise
-        pred = self(x_t, t * self.hparams.num_train_timesteps, batch["context"])
-        return F.mse_loss(pred.float(), noise - x0)
+        return rectified_flow_loss(self, batch, self.hparams.timestep_shift, self.hparams.num_train_timesteps)
 
     def batch_shape(self, batch: Mapping[str, torch.Tensor]) -> tuple[int, int]:
         """``(B, S)``: samples and tokens per sample after patchify."""

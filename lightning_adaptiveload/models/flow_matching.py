@@ -8,7 +8,7 @@ import hashlib
 import math
 import os
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from time import perf_counter
 from typing import Any
 
@@ -20,7 +20,7 @@ from typing_extensions import override
 from lightning_adaptiveload.geometry import tokens_of
 from lightning_adaptiveload.models.wan import WanConfig, WanModel, from_name_or_config
 
-__all__ = ["FlowMatchingModule", "draw_seed", "shift_timesteps", "wan_forward_flops"]
+__all__ = ["FlowMatchingModule", "draw_seed", "rectified_flow_loss", "shift_timesteps", "wan_forward_flops"]
 
 # Streams of `draw_seed`: training steps, and calls of `compute_loss` without a generator
 # (profiling, evaluation), which must never replay or shift a training step's draws.
@@ -37,6 +37,30 @@ def draw_seed(seed: int, step: int, rank: int, micro_batch: int = 0, stream: int
     """
     data = struct.pack("<5q", int(seed), int(stream), int(step), int(rank), int(micro_batch))
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def rectified_flow_loss(
+    predict: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    batch: Mapping[str, torch.Tensor],
+    timestep_shift: float,
+    num_train_timesteps: float,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Wan's rectified-flow loss (fp32 scalar) of a batch with ``latents [B,C,F,H,W]`` and ``context``.
+
+    ``u ~ U(0, 1)`` shifted to ``t`` (:func:`shift_timesteps`), then Gaussian ``noise``, both from
+    ``generator`` (the global RNG when ``None``), in that order; ``x_t = (1 - t)·x0 + t·noise``; the
+    fp32 MSE of ``predict(x_t, t · num_train_timesteps, context)`` against the velocity ``noise - x0``.
+    """
+    x0 = batch["latents"].float()
+    b = x0.shape[0]
+    u = torch.rand(b, device=x0.device, generator=generator)
+    t = shift_timesteps(u, timestep_shift)
+    noise = torch.randn(x0.shape, dtype=x0.dtype, device=x0.device, generator=generator)
+    tb = t.view(b, 1, 1, 1, 1)
+    x_t = (1 - tb) * x0 + tb * noise
+    pred = predict(x_t, t * num_train_timesteps, batch["context"])
+    return F.mse_loss(pred.float(), noise - x0)
 
 
 def wan_forward_flops(config: WanConfig, seq_len: int) -> int:
@@ -258,16 +282,10 @@ class FlowMatchingModule(pl.LightningModule):
         so calling it (profiling) neither consumes nor disturbs any training draw or the global RNG.
         """
         model = self._require_model()
-        x0 = batch["latents"].float()
         if generator is None:
-            generator = self.noise_generator(x0.device, stream=OUTSIDE_STREAM)
-        b = x0.shape[0]
-        t = self.sample_timesteps(b, x0.device, generator=generator)
-        noise = torch.randn(x0.shape, dtype=x0.dtype, device=x0.device, generator=generator)
-        tb = t.view(b, 1, 1, 1, 1)
-        x_t = (1 - tb) * x0 + tb * noise
-        pred = model(x_t, t * self.hparams.num_train_timesteps, batch["context"])
-        return F.mse_loss(pred.float(), noise - x0)
+            generator = self.noise_generator(batch["latents"].device, stream=OUTSIDE_STREAM)
+        hp = self.hparams
+        return rectified_flow_loss(model, batch, hp.timestep_shift, hp.num_train_timesteps, generator)
 
     def batch_shape(self, batch: Mapping[str, torch.Tensor]) -> tuple[int, int]:
         """``(B, S)`` of a batch: samples, and tokens per sample after patchify of ``latents [B,C,F,H,W]``."""
