@@ -206,8 +206,6 @@ class BalanceMonitor(Callback):
             pl_module.log_dict(self.last_metrics, on_step=True, on_epoch=False, rank_zero_only=True)
 
     def _accumulate(self, rows: np.ndarray, counted: bool = True) -> None:
-        if rows.shape[1] == len(_FIELDS) - 1:  # rows without FLOPs
-            rows = np.concatenate([rows, np.zeros((rows.shape[0], 1))], axis=1)
         if self._per_rank_sum.shape[0] != rows.shape[0]:
             self._reset_totals(rows.shape[0])
         t, fwd, comp, tokens, peak, flops = (rows[:, i] for i in range(len(_FIELDS)))

@@ -54,8 +54,8 @@ def test_single_device_metrics_and_report(tmp_path, monkeypatch, capsys):
 
 def test_gathered_rows_give_paper_metrics():
     monitor = BalanceMonitor(cost_model=SimpleNamespace(predict=lambda b, s: b * s * 1e-3))
-    # two ranks: step times 1 s and 3 s, predicted compute 2 and 6, tokens 10 and 30
-    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0], [3.0, 1.5, 6.0, 30.0, 2**30]]))
+    # two ranks: step times 1 s and 3 s, predicted compute 2 and 6, tokens 10 and 30, no FLOPs counted
+    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0], [3.0, 1.5, 6.0, 30.0, 2**30, 0.0]]))
     m = monitor.last_metrics
     assert m["balance/step_time_cv"] == pytest.approx(0.5)
     assert m["balance/forward_time_cv"] == pytest.approx(0.5)
@@ -64,6 +64,7 @@ def test_gathered_rows_give_paper_metrics():
     assert m["balance/tokens_per_s"] == pytest.approx(40.0 / 3.0)
     assert m["balance/peak_mem_gb"] == pytest.approx(1.0)
     assert monitor._predicted_compute(2, 100) == pytest.approx(0.2)
+    assert "balance/tflops_per_gpu" not in m
 
 
 @pytest.mark.parametrize("kwargs, msg", [({"log_every_n_steps": 0}, "log_every_n_steps=0"), ({"p": -1}, "p=-1")])
