@@ -309,3 +309,16 @@ def test_chunked_indexing_and_bucket_sort_match_the_whole_array_versions(monkeyp
     out, counts = sampler_module._stable_sort_by_bucket(idx, bucket_of, 9)
     assert np.array_equal(out, idx[np.argsort(bucket_of[idx], kind="stable")])
     assert counts.tolist() == np.bincount(bucket_of, minlength=9).tolist()
+
+
+def test_count_buckets_matches_a_row_wise_unique(monkeypatch):
+    from lightning_adaptiveload.bucketing import sampler as sampler_module
+
+    shapes = _shapes(9, 2000).astype(np.int32)
+    want_grids, want_counts = np.unique(shapes, axis=0, return_counts=True)
+    monkeypatch.setattr(sampler_module, "_CHUNK", 13)
+    grids, counts = sampler_module.count_buckets(shapes)
+    assert grids.dtype == np.int64 and grids.tolist() == want_grids.tolist()
+    assert counts.tolist() == want_counts.tolist()
+    with pytest.raises(ValueError, match=r"Sample 1 has token grid \(0, 2, 2\)"):
+        sampler_module.count_buckets(np.array([(1, 2, 2), (0, 2, 2)]))

@@ -124,3 +124,14 @@ def test_fit_models_errors_and_notes():
              for b in (1, 2, 4) for s in (10, 20, 40, 80)]
     cm, mm, notes = fit_models(noisy)
     assert mm is None and any("median error" in n for n in notes)
+
+
+def test_bucket_counts_give_the_same_derivation_as_every_sample():
+    from lightning_adaptiveload.bucketing.sampler import count_buckets
+
+    shapes = mixture_token_grids(MIXED, 3_000)
+    cm = CostModel("quadratic", {"a": 0.01, "c1": 8.68e-6, "c2": 1.482e-9})
+    per_sample = derive_policy(cm, shapes, 65_520, world_size=4, num_candidates=8)
+    grids, counts = count_buckets(shapes)
+    bucketed = derive_policy(cm, grids, 65_520, counts=counts, world_size=4, num_candidates=8)
+    assert bucketed.to_dict() == per_sample.to_dict()
