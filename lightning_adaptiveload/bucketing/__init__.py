@@ -6,6 +6,7 @@ from lightning_adaptiveload.bucketing.policy import (
     CostModelPolicy,
     DualConstraintPolicy,
     EqualTokenPolicy,
+    FixedBatchPolicy,
 )
 from lightning_adaptiveload.bucketing.sampler import AdaptiveBucketBatchSampler, EpochPlan
 
@@ -16,6 +17,7 @@ __all__ = [
     "DualConstraintPolicy",
     "EpochPlan",
     "EqualTokenPolicy",
+    "FixedBatchPolicy",
     "bubble_fraction",
     "compute_imbalance_rate",
     "sync_overhead",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -141,6 +142,51 @@ class EqualTokenPolicy(BatchSizePolicy):
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": "equal_token", "max_tokens": self.max_tokens}
+
+
+class FixedBatchPolicy(BatchSizePolicy):
+    """Batch sizes given per sequence length, e.g. to pin a previous run's or a benchmark's batches.
+
+    Args:
+        batch_sizes: ``{S: B}`` with positive integers (``None`` or empty: only ``default``).
+        default: B for sequence lengths not listed; ``None`` makes an unlisted S an error.
+
+    Example::
+
+        >>> FixedBatchPolicy({32760: 1, 7800: 4, 1560: 16}).batch_size(7800)
+        4
+    """
+
+    def __init__(self, batch_sizes: Mapping[int, int] | None, default: int | None = None) -> None:
+        batch_sizes = {} if batch_sizes is None else batch_sizes
+        if not isinstance(batch_sizes, Mapping) or (not batch_sizes and default is None):
+            raise ValueError(
+                f"`FixedBatchPolicy(batch_sizes={batch_sizes!r})` is not valid. Expected a mapping {{S: B}} of "
+                "positive integers (non-empty unless `default` is given)."
+            )
+        table: dict[int, int] = {}
+        for s, b in batch_sizes.items():
+            # Keys may arrive as strings from a config file or command line: "32760" is S = 32760.
+            key = int(s) if isinstance(s, str) and s.strip().isdigit() else s
+            _check_positive("FixedBatchPolicy", f"batch_sizes key {s!r}", key, integer=True)
+            _check_positive("FixedBatchPolicy", f"batch_sizes[{s!r}]", b, integer=True)
+            table[int(key)] = int(b)
+        if default is not None:
+            _check_positive("FixedBatchPolicy", "default", default, integer=True)
+        self.table = dict(sorted(table.items()))
+        self.default = None if default is None else int(default)
+
+    def _batch_sizes(self, seq_lens: np.ndarray) -> np.ndarray:
+        missing = [int(s) for s in seq_lens if int(s) not in self.table]
+        if missing and self.default is None:
+            raise ValueError(
+                f"`FixedBatchPolicy` has no batch size for S={missing[0]} ({len(missing)} sequence lengths are "
+                f"missing; listed: {sorted(self.table)}). Add them to `batch_sizes` or pass `default`."
+            )
+        return np.array([self.table.get(int(s), self.default or 0) for s in seq_lens], dtype=np.int64)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": "fixed", "batch_sizes": dict(self.table), "default": self.default}
 
 
 def _floor_div_power(m_comp: float, seq_lens: np.ndarray, p: float) -> np.ndarray:

@@ -24,6 +24,12 @@ Three numbers decide it:
   cost per step therefore gives large batches, and a steep attention cost gives the long videos
   small ones.
 - the form of the cost model (above).
+
+Activation checkpointing, when the model leaves it to the calibration (``"auto"``), is chosen first
+(:func:`choose_checkpointing`): the mode with the least recomputation (``none`` → ``selective`` →
+``full``) under which one sample of the corpus's longest sequence trains within the device's memory
+less the margin and the optimizer state still to come. The profile, the fits and ``M_mem`` above are
+then those of that mode, so short buckets get the largest batches its memory allows.
 """
 
 from __future__ import annotations
@@ -110,6 +116,70 @@ def memory_budget(
     if oom_tokens:
         m_mem = min(m_mem, min(oom_tokens) - 1)
     return int(m_mem), "largest profiled batch"
+
+
+@dataclass(frozen=True)
+class CheckpointingChoice:
+    """The activation-checkpointing mode chosen for a run and the probes it was chosen from.
+
+    ``probes`` holds ``(mode, measurement)`` pairs in the order they ran; ``fits`` says whether the
+    chosen mode passed (``False``: no mode fits, the last one tried is returned).
+    """
+
+    mode: str
+    probes: tuple[tuple[str, Any], ...]
+    fits: bool
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "fits": self.fits, "reason": self.reason,
+                "probes": [{"mode": m, **p.to_dict()} for m, p in self.probes]}
+
+
+def probe_fits(measurement: Any, device_memory: int | None, margin: float, pending_bytes: int = 0) -> bool:
+    """Whether a probe step ran and its peak (plus optimizer state still to come) leaves the margin free.
+
+    Without a measured peak or device size (CPU), running without an out-of-memory error is enough.
+    """
+    if measurement.status != "ok":
+        return False
+    if measurement.peak_bytes is None or not device_memory:
+        return True
+    return measurement.peak_bytes + pending_bytes <= device_memory * (1.0 - margin)
+
+
+def choose_checkpointing(
+    modes: Sequence[str],
+    probe: Any,
+    device_memory: int | None,
+    *,
+    margin: float = 0.1,
+    pending_bytes: int = 0,
+) -> CheckpointingChoice:
+    """The first of ``modes`` (least recomputation first) whose probe fits (:func:`probe_fits`).
+
+    ``probe(mode)`` runs one training step of one sample of the longest sequence under ``mode`` and
+    returns its :class:`~lightning_adaptiveload.calibration.profile.Measurement`. Modes after the
+    first that fits are not probed. When none fits, the last mode is returned with ``fits=False``
+    (the caller raises, or skips the samples that do not fit).
+
+    Raises:
+        ValueError: ``modes`` is empty.
+    """
+    modes = list(modes)
+    if not modes:
+        raise ValueError("`modes` is empty. Expected the modes the model supports, least recomputation first.")
+    probes: list[tuple[str, Any]] = []
+    for mode in modes:
+        m = probe(mode)
+        probes.append((mode, m))
+        if probe_fits(m, device_memory, margin, pending_bytes):
+            peak = "" if m.peak_bytes is None else f", peak {m.peak_bytes / 2**30:.1f} GiB"
+            total = "" if not device_memory else f" of {device_memory / 2**30:.1f} GiB"
+            return CheckpointingChoice(mode, tuple(probes), True,
+                                       f"least recomputation that fits S={m.seq_len:,} at B=1{peak}{total}")
+    return CheckpointingChoice(modes[-1], tuple(probes), False,
+                               f"no mode fits S={probes[-1][1].seq_len:,} at B=1")
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,10 @@ backward per call) and a :class:`Collectives` object, so the same loop serves th
 a plain torch loop or a test with a fake clock.
 
 Per shape: ``warmup`` untimed steps, then up to ``repeats`` timed steps, the median kept, the
-maximum over ranks recorded. Every decision that ranks must share (out of memory, out of time) goes
+maximum over ranks recorded. With a ``compile_clock`` (cumulative seconds spent compiling), compile
+time is never timed: a warm-up step in which nothing compiled is a steady-state step and counts as a
+timed one (so a compiled model pays no extra step per shape once its graphs exist), and a timed step
+in which something compiled is not counted. The seconds spent compiling are recorded per shape. Every decision that ranks must share (out of memory, out of time) goes
 through the collectives, so all ranks run the same steps. Bounds:
 
 - a shape stops starting new steps once its own time reaches ``shape_time_s`` (at least one timed
@@ -83,6 +86,7 @@ class Measurement:
     status: str
     timed_steps: int = 0
     seconds: float = 0.0
+    compile_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -106,7 +110,8 @@ class Measurement:
             raise ValueError(f"measurement {data!r} has status 'ok' but time_s={t!r}")
         peak = data.get("peak_bytes")
         return cls(b, grid, s, None if t is None else float(t), None if peak is None else int(peak), status,
-                   int(data.get("timed_steps", 0)), float(data.get("seconds", 0.0)))
+                   int(data.get("timed_steps", 0)), float(data.get("seconds", 0.0)),
+                   float(data.get("compile_s", 0.0)))
 
 
 def plan_grid(
@@ -205,6 +210,7 @@ def profile(
     on_oom: Callable[[], None] | None = None,
     progress: Callable[[str], None] | None = None,
     clock: Callable[[], float] | None = None,
+    compile_clock: Callable[[], float] | None = None,
 ) -> list[Measurement]:
     """Profile ``plan`` (see the module docstring) and return one :class:`Measurement` per shape.
 
@@ -222,6 +228,9 @@ def profile(
         on_oom: frees memory after an out-of-memory error (e.g. ``torch.cuda.empty_cache``).
         progress: receives one line per shape (and per step of slow shapes); rank 0 prints it.
         clock: seconds; default ``time.perf_counter`` (read at call time, so tests can patch it).
+        compile_clock: cumulative seconds spent compiling (e.g.
+            :func:`lightning_adaptiveload.models.compile_seconds`); see the module docstring. ``None``:
+            nothing compiles, warm-up steps are never timed.
 
     Raises:
         ValueError: bad arguments.
@@ -257,7 +266,7 @@ def profile(
             continue
         limit = shape_time_s if i < first_pass else max(1e-9, min(shape_time_s, time_budget_s - elapsed))
         m = _profile_one(make_step, shape, coll, warmup, repeats, limit, sync, memory, on_oom, say,
-                         f"shape {i + 1}/{n}", clock)
+                         f"shape {i + 1}/{n}", clock, compile_clock)
         out.append(m)
         if m.status == "oom":
             oom_at[s] = min(b, oom_at.get(s, b))
@@ -266,36 +275,53 @@ def profile(
         done = clock() - start
         eta = done / (i + 1) * (n - i - 1)
         result = f"{m.time_s * 1e3:.1f} ms ({m.timed_steps} timed)" if m.status == "ok" else "out of memory"
+        if m.compile_s >= 0.05:
+            result += f", compiled {m.compile_s:.1f} s"
         say(f"shape {i + 1}/{n}: B={b} grid={grid} S={s:,}: {result} | elapsed {done:.0f} s, "
             f"ETA {min(eta, max(time_budget_s - done, 0.0)):.0f} s")
     return out
 
 
 def _profile_one(make_step, shape: Shape, coll: Collectives, warmup: int, repeats: int, limit: float,
-                 sync, memory: MemoryProbe, on_oom, say, label: str, clock) -> Measurement:
+                 sync, memory: MemoryProbe, on_oom, say, label: str, clock, compile_clock=None) -> Measurement:
     b, grid, s = shape.batch_size, shape.grid, shape.seq_len
+    compiled = compile_clock or (lambda: 0.0)
     times: list[float] = []
     oom = False
     t_shape = clock()
+    c_shape = compiled()
     if memory.reset is not None:
         memory.reset()
     try:
         step = make_step(b, grid)
-        for k in range(warmup + repeats):
+        # With a compile clock, up to two extra steps make up for steps in which something compiled.
+        max_steps = warmup + repeats + (2 if compile_clock is not None else 0)
+        last = None
+        for k in range(max_steps):
+            if len(times) >= repeats:
+                break
             # Ranks agree on whether to start another step: rank 0's clock decides.
-            spent = clock() - t_shape
-            if k > warmup and coll.broadcast(spent >= limit):
+            if times and coll.broadcast(clock() - t_shape >= limit):
                 break
             sync()
+            c0 = compiled()
             t0 = clock()
             step()
             sync()
-            dt = clock() - t0
-            if k >= warmup:
+            dt = last = clock() - t0
+            if compile_clock is None:
+                steady = k >= warmup
+            else:
+                # Every rank compiles the same graphs, but the decision must be shared all the same.
+                # A warm-up step in which nothing compiled is already a steady-state step.
+                steady = not coll.max(float(compiled() > c0))
+            if steady:
                 times.append(dt)
             if dt >= _SLOW_STEP_S:
-                kind = f"warm-up {k + 1}/{warmup}" if k < warmup else f"timed {k - warmup + 1}/{repeats}"
+                kind = f"warm-up {k + 1}/{warmup}" if not steady else f"timed {len(times)}/{repeats}"
                 say(f"  {label}: B={b} S={s:,} {kind}: {dt:.1f} s")
+        if not times and last is not None:
+            times.append(last)  # something compiled in every step: the last step is the best estimate
         del step
     except Exception as err:  # noqa: BLE001 - only out-of-memory is recovered, the rest re-raised
         if not is_out_of_memory(err):
@@ -306,8 +332,9 @@ def _profile_one(make_step, shape: Shape, coll: Collectives, warmup: int, repeat
         if on_oom is not None:
             on_oom()
     seconds = clock() - t_shape
+    compile_s = compiled() - c_shape
     if coll.max(float(oom)) > 0:
-        return Measurement(b, grid, s, None, None, "oom", 0, seconds)
+        return Measurement(b, grid, s, None, None, "oom", 0, seconds, compile_s)
     t = coll.max(float(np.median(times)))
     peak = None if memory.peak is None else int(coll.max(float(memory.peak())))
-    return Measurement(b, grid, s, t, peak, "ok", len(times), seconds)
+    return Measurement(b, grid, s, t, peak, "ok", len(times), seconds, compile_s)

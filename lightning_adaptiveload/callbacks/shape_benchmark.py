@@ -27,7 +27,8 @@ from typing_extensions import override
 from lightning_adaptiveload.bucketing.sampler import count_buckets
 from lightning_adaptiveload.calibration import derive, record
 from lightning_adaptiveload.calibration.costmodel import FORMS
-from lightning_adaptiveload.calibration.profile import MemoryProbe, plan_grid, profile
+from lightning_adaptiveload.calibration.profile import MemoryProbe, Shape, plan_grid, profile
+from lightning_adaptiveload.models.compiling import compile_seconds
 from lightning_adaptiveload.models.protocol import check_module
 from lightning_adaptiveload.reporting import plot_calibration, print_calibration
 
@@ -62,6 +63,19 @@ class ShapeBenchmarkCallback(Callback):
     ``datamodule.set_policy``, prints the fit and the predicted gain over equal-token batches, logs
     the constants and writes ``shape_benchmark.json`` (a calibration record with the derivation) and
     ``shape_benchmark.png`` to ``save_dir``.
+
+    A module whose ``checkpointing`` is ``"auto"`` (``FlowMatchingModule(activation_checkpointing="auto")``;
+    it also provides ``checkpointing_modes``, least recomputation first, and ``set_checkpointing``) gets
+    its activation-checkpointing mode chosen first (:func:`~lightning_adaptiveload.calibration.derive.choose_checkpointing`):
+    one step of one sample of the longest sequence per mode, ``none`` → ``selective`` → ``full``, stopping
+    at the first whose peak memory fits; the profile then runs in that mode, and the mode is part of
+    the calibration record (so a cached, pinned or resumed calibration re-applies it). If no mode fits,
+    fit stops before profiling with an error naming the samples (or, with ``oversize=skip``, trains
+    them out under ``full``).
+
+    Compile time is never timed: a step in which ``torch.compile`` compiled something is a warm-up
+    step, and a warm-up step in which nothing compiled counts as a timed one. The seconds spent
+    compiling are reported with the profile.
 
     Profiling leaves no trace: the optimizer never steps, gradients are set to ``None``, buffers and
     train/eval modes are restored, and the torch, CUDA, numpy and Python RNG states are restored.
@@ -245,7 +259,7 @@ class ShapeBenchmarkCallback(Callback):
             if text is not None:
                 cal, source = record.Calibration.from_json(text), "cache"
         if cal is None:
-            cal, source = self._profile(trainer, pl_module, plan, key), "profiled"
+            cal, source = self._profile(trainer, pl_module, plan, key, (grids, counts)), "profiled"
             if self.cache_dir is not None and trainer.is_global_zero:
                 record.write_cache(self.cache_dir, cal)
         self._apply(trainer, pl_module, cal, (grids, counts), source, derived)
@@ -283,7 +297,8 @@ class ShapeBenchmarkCallback(Callback):
             self._restored = state
 
     # ------------------------------------------------------------------ profiling
-    def _profile(self, trainer: Trainer, pl_module: LightningModule, plan: list, key: dict) -> record.Calibration:
+    def _profile(self, trainer: Trainer, pl_module: LightningModule, plan: list, key: dict,
+                 buckets: tuple[np.ndarray, np.ndarray]) -> record.Calibration:
         strategy = trainer.strategy
         device = strategy.root_device
         cuda = device.type == "cuda"
@@ -307,21 +322,31 @@ class ShapeBenchmarkCallback(Callback):
                     )
             return lambda: _step(trainer, pl_module, batch)
 
+        has_state = all(len(opt.state) > 0 for opt in trainer.optimizers) if trainer.optimizers else True
+        params = {id(p): p for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]}
+        pending = derive.pending_optimizer_bytes(sum(p.numel() for p in params.values()), has_state)
+        device_memory = int(torch.cuda.get_device_properties(device).total_memory) if cuda else None
+        common = dict(collectives=_StrategyCollectives(trainer),
+                      synchronize=(lambda: torch.cuda.synchronize(device)) if cuda else None,
+                      memory=MemoryProbe.for_device(device), on_oom=torch.cuda.empty_cache if cuda else None,
+                      progress=rank_zero_info, compile_clock=compile_seconds if _uses_compile(pl_module) else None)
         modules = list(pl_module.modules())
         training_modes = [m.training for m in modules]
         buffers = {name: b.detach().clone() for name, b in pl_module.named_buffers()}
         start = time.perf_counter()
+        compile_start = compile_seconds()
         self.profiled = True
+        extra: dict[str, Any] = {}
         try:
             pl_module.train()
             with isolate_rng(), torch.enable_grad():
+                if getattr(pl_module, "checkpointing", None) == "auto":
+                    choice = self._choose_checkpointing(trainer, pl_module, make_step, buckets, plan, common,
+                                                        device_memory, pending)
+                    extra["checkpointing"] = choice.to_dict()
                 measurements = profile(
-                    make_step, plan, collectives=_StrategyCollectives(trainer), warmup=self.warmup,
-                    repeats=self.repeats, shape_time_s=self.shape_time_s, time_budget_s=self.time_budget_s,
-                    synchronize=(lambda: torch.cuda.synchronize(device)) if cuda else None,
-                    memory=MemoryProbe.for_device(device),
-                    on_oom=torch.cuda.empty_cache if cuda else None,
-                    progress=rank_zero_info,
+                    make_step, plan, warmup=self.warmup, repeats=self.repeats, shape_time_s=self.shape_time_s,
+                    time_budget_s=self.time_budget_s, **common,
                 )
         finally:
             _clear_grads(trainer, pl_module)
@@ -345,17 +370,49 @@ class ShapeBenchmarkCallback(Callback):
             raise RuntimeError(f"`ShapeBenchmarkCallback`: {err}") from err
         for note in notes:
             rank_zero_warn(f"`ShapeBenchmarkCallback`: {note}")
-        has_state = all(len(opt.state) > 0 for opt in trainer.optimizers) if trainer.optimizers else True
-        params = {id(p): p for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]}
+        extra["compile_seconds"] = compile_seconds() - compile_start
+        if extra["compile_seconds"] > 0:
+            rank_zero_info(f"`ShapeBenchmarkCallback`: {extra['compile_seconds']:.1f} s of the profile went to "
+                           "torch.compile (never timed).")
         cal = record.Calibration(
             key=key, cost_model=cost_model, measurements=measurements, memory_model=memory_model,
-            device_memory=int(torch.cuda.get_device_properties(device).total_memory) if cuda else None,
-            optimizer_bytes=derive.pending_optimizer_bytes(sum(p.numel() for p in params.values()), has_state),
-            profile_seconds=time.perf_counter() - start, world_size=int(trainer.world_size),
+            device_memory=device_memory, optimizer_bytes=pending,
+            profile_seconds=time.perf_counter() - start, world_size=int(trainer.world_size), extra=extra,
         )
         # Timings are already maxima over ranks, so every rank fits the same model; broadcasting
         # rank 0's record makes agreement exact regardless of floating-point reduction order.
         return record.Calibration.from_json(trainer.strategy.broadcast(cal.to_json()))
+
+    def _choose_checkpointing(self, trainer: Trainer, pl_module: LightningModule, make_step, buckets, plan: list,
+                              common: dict[str, Any], device_memory: int | None, pending: int) -> Any:
+        """Probe the module's checkpointing modes at B = 1 on the longest profiled sequence; set the winner."""
+        grids, counts = buckets
+        longest = max(plan, key=lambda sh: sh.seq_len).grid
+        modes = tuple(pl_module.checkpointing_modes)
+
+        def probe(mode: str) -> Any:
+            pl_module.set_checkpointing(mode)
+            rank_zero_info(f"`ShapeBenchmarkCallback`: activation checkpointing '{mode}': one step at B=1 "
+                           f"grid={longest} (S={int(np.prod(longest)):,})")
+            return profile(make_step, [Shape(1, longest)], warmup=0, repeats=1,
+                           shape_time_s=self.shape_time_s, time_budget_s=self.time_budget_s, **common)[0]
+
+        choice = derive.choose_checkpointing(modes, probe, device_memory, margin=self.memory_margin,
+                                             pending_bytes=pending)
+        pl_module.set_checkpointing(choice.mode)
+        if not choice.fits:
+            oversize = getattr(getattr(trainer.datamodule, "policy", None), "oversize", "error")
+            seq = grids.prod(axis=1)
+            over = int(counts[seq >= int(np.prod(longest))].sum())
+            if oversize == "error":
+                raise ValueError(
+                    f"{over} samples have token grid {tuple(longest)} (S={int(np.prod(longest)):,}), which does not "
+                    f"fit one device even with '{choice.mode}' activation checkpointing ({choice.reason}). Shard the "
+                    "model (FSDP), crop or remove such samples, or set `bucketing.policy.oversize=skip` to leave "
+                    "them out (counted)."
+                )
+        rank_zero_info(f"`ShapeBenchmarkCallback`: activation checkpointing '{choice.mode}' ({choice.reason}).")
+        return choice
 
     # ------------------------------------------------------------------ applying a calibration
     def _apply(self, trainer: Trainer, pl_module: LightningModule, cal: record.Calibration,
@@ -364,6 +421,7 @@ class ShapeBenchmarkCallback(Callback):
         dm = trainer.datamodule
         oversize = getattr(getattr(dm, "policy", None), "oversize", "error")
         s_max = int(grids.prod(axis=1).max())
+        self._apply_checkpointing(pl_module, cal, source)
         if derived is not None:
             # A resumed run applies the budgets its checkpoint was trained with, whatever the world
             # size now: the sampler re-plans the rest of the epoch under the same policy.
@@ -402,6 +460,28 @@ class ShapeBenchmarkCallback(Callback):
             (save_dir / "shape_benchmark.json").write_text(json.dumps(out, indent=2, sort_keys=True))
             plot_calibration(cal, save_dir / "shape_benchmark.png")
 
+    def _apply_checkpointing(self, pl_module: LightningModule, cal: record.Calibration, source: str) -> None:
+        """Give an ``"auto"`` module the mode its calibration was profiled with (cache, file, checkpoint)."""
+        chosen = (cal.extra.get("checkpointing") or {}).get("mode")
+        current = getattr(pl_module, "checkpointing", None)
+        if current is None:
+            return
+        if chosen is None:
+            if current == "auto":
+                rank_zero_warn(f"`ShapeBenchmarkCallback`: the calibration from {source} does not record an "
+                               "activation-checkpointing mode; training with 'full'. Profile again (`force=True`) "
+                               "to choose one.")
+                pl_module.set_checkpointing("full")
+            return
+        if chosen not in getattr(pl_module, "checkpointing_modes", ()):
+            raise ValueError(f"The calibration from {source} was profiled with activation checkpointing {chosen!r}, "
+                             f"which {type(pl_module).__name__} does not support. Profile again (`force=True`).")
+        if current in ("auto", chosen) or self._restored is not None:
+            pl_module.set_checkpointing(chosen)
+        else:
+            rank_zero_warn(f"`ShapeBenchmarkCallback`: the calibration from {source} was profiled with activation "
+                           f"checkpointing {chosen!r}, but the module uses {current!r}; its timings may not match.")
+
     def _buckets(self, trainer: Trainer) -> tuple[np.ndarray, np.ndarray]:
         """The dataset's distinct token grids and their sample counts (calibration needs no more)."""
         grids = np.asarray(trainer.datamodule.dataset.token_grids())
@@ -424,6 +504,8 @@ class ShapeBenchmarkCallback(Callback):
             "form": self.form,
             "grid": [[s.batch_size, *s.grid] for s in plan],
             "repeats": [self.warmup, self.repeats],
+            # "auto" or the fixed mode: a cached "auto" record carries the mode it chose.
+            "checkpointing": getattr(pl_module, "checkpointing", None),
         }
 
 
@@ -472,6 +554,14 @@ def _step(trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
     strategy.post_backward(loss)
     # Training zeroes gradients (set_to_none) every step, so each timed backward allocates them.
     _clear_grads(trainer, pl_module)
+
+
+def _uses_compile(module: torch.nn.Module) -> bool:
+    """Whether any part of the module runs through ``torch.compile`` (``Module.compile`` or a wrapper)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return any(getattr(m, "_compiled_call_impl", None) is not None or isinstance(m, OptimizedModule)
+               for m in module.modules())
 
 
 def _strategy_kind(strategy: Any) -> str:

@@ -18,7 +18,13 @@ import torch.nn.functional as F
 from typing_extensions import override
 
 from lightning_adaptiveload.geometry import tokens_of
-from lightning_adaptiveload.models.wan import WanConfig, WanModel, from_name_or_config
+from lightning_adaptiveload.models.wan import (
+    CHECKPOINTING_MODES,
+    WanConfig,
+    WanModel,
+    checkpointing_mode,
+    from_name_or_config,
+)
 
 __all__ = ["FlowMatchingModule", "draw_seed", "rectified_flow_loss", "shift_timesteps", "wan_forward_flops"]
 
@@ -110,10 +116,10 @@ class FlowMatchingModule(pl.LightningModule):
     Every batch may have its own (F, H, W).
 
     The model is built in :meth:`configure_model`, so Lightning's ``FSDPStrategy`` can wrap it;
-    wrap per block with ``auto_wrap_policy={WanAttentionBlock}``. ``activation_checkpointing=True``
-    checkpoints inside each :class:`~lightning_adaptiveload.models.wan.WanAttentionBlock`
-    (non-reentrant ``torch.utils.checkpoint``), which works with and without FSDP; do not also
-    set the strategy's ``activation_checkpointing_policy`` (blocks would be recomputed twice).
+    wrap per block with ``auto_wrap_policy={WanAttentionBlock}``. Activation checkpointing runs
+    inside each :class:`~lightning_adaptiveload.models.wan.WanAttentionBlock` (non-reentrant
+    ``torch.utils.checkpoint``), with and without FSDP and under ``torch.compile``; do not also set the
+    strategy's ``activation_checkpointing_policy`` (blocks would be recomputed twice).
 
     Logged every step: ``train/loss``; from the second step of an epoch on, ``train/tokens_per_s``
     and ``train/samples_per_s`` of the previous step, from this rank's wall time between the
@@ -128,7 +134,12 @@ class FlowMatchingModule(pl.LightningModule):
         warmup_steps: linear learning-rate warmup over this many optimizer steps (0: none).
         timestep_shift: Wan's schedule shift (5.0 for 480p/720p video; 1.0: uniform t).
         num_train_timesteps: scale of the timestep the model sees (Wan: 1000).
-        activation_checkpointing: recompute block activations in backward.
+        activation_checkpointing: what backward recomputes in every block: ``"none"`` (or ``False``),
+            ``"selective"`` (keep the attention outputs, recompute projections, FFN and element-wise
+            ops), ``"full"`` (or ``True``), or ``"auto"``: the least recomputation under which the
+            corpus's longest sample fits, chosen by
+            :class:`~lightning_adaptiveload.callbacks.shape_benchmark.ShapeBenchmarkCallback` from
+            measured peak memory (without that callback, ``"auto"`` trains with ``"full"`` and warns).
         seed: seed of the timestep and noise draws (see below); ``None``: the seed given to
             ``lightning.seed_everything`` (``adaptiveload-train``'s ``seed``), or 0 without one.
         compile: compile every transformer block with ``torch.compile`` (regional compilation;
@@ -160,7 +171,7 @@ class FlowMatchingModule(pl.LightningModule):
         warmup_steps: int = 0,
         timestep_shift: float = 5.0,
         num_train_timesteps: int = 1000,
-        activation_checkpointing: bool = False,
+        activation_checkpointing: bool | str = False,
         seed: int | None = None,
         compile: bool = False,
     ) -> None:
@@ -168,6 +179,14 @@ class FlowMatchingModule(pl.LightningModule):
         if not isinstance(compile, bool):
             raise ValueError(f"`FlowMatchingModule(compile={compile!r})` is not valid. Expected true or false.")
         config = from_name_or_config(model)
+        if activation_checkpointing != "auto":
+            try:
+                checkpointing_mode(activation_checkpointing)
+            except ValueError:
+                raise ValueError(
+                    f"`FlowMatchingModule(activation_checkpointing={activation_checkpointing!r})` is not valid. "
+                    f"Expected one of {[*CHECKPOINTING_MODES, 'auto']} or true/false."
+                ) from None
         if not lr > 0:
             raise ValueError(f"`FlowMatchingModule(lr={lr!r})` is not valid. Expected a positive float.")
         if not weight_decay >= 0:
@@ -212,6 +231,7 @@ class FlowMatchingModule(pl.LightningModule):
         # (global step, index) of the last training micro-batch: the index counts micro-batches of
         # one optimizer step under gradient accumulation.
         self._micro_batch: tuple[int, int] = (-1, 0)
+        self._checkpointing_decided = activation_checkpointing != "auto"
 
     @override
     def configure_model(self) -> None:
@@ -219,10 +239,40 @@ class FlowMatchingModule(pl.LightningModule):
         if self.model is not None:
             return
         self.model = WanModel(self.config)
-        self.model.set_gradient_checkpointing(self.hparams.activation_checkpointing)
+        setting = self.hparams.activation_checkpointing
+        # "auto": full until the shape benchmark has measured what fits (the safe mode to start in).
+        self.model.set_gradient_checkpointing("full" if setting == "auto" else setting)
+        self._checkpointing_decided = setting != "auto"
         if self.hparams.get("compile", False):
             # Compilation is lazy: modules swapped in after this (FusedAdaLNCallback) are what gets traced.
             self.model.compile_blocks()
+
+    #: What :meth:`set_checkpointing` accepts, least recomputation (most memory) first.
+    checkpointing_modes: tuple[str, ...] = CHECKPOINTING_MODES
+
+    @property
+    def checkpointing(self) -> str:
+        """The activation-checkpointing mode in use, or ``"auto"`` while it is still to be chosen."""
+        if not getattr(self, "_checkpointing_decided", False):
+            setting = self.hparams.activation_checkpointing
+            return "auto" if setting == "auto" else checkpointing_mode(setting)
+        return self._require_model().blocks[0].checkpointing if len(self._require_model().blocks) else "none"
+
+    def set_checkpointing(self, mode: str) -> None:
+        """Switch every block to ``mode`` (one of :attr:`checkpointing_modes`); compiled blocks recompile once."""
+        self._require_model().set_gradient_checkpointing(mode)
+        self._checkpointing_decided = True
+
+    @override
+    def on_fit_start(self) -> None:
+        if self.checkpointing == "auto":
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(
+                "`FlowMatchingModule(activation_checkpointing='auto')` needs ShapeBenchmarkCallback to choose a "
+                "mode; training with 'full'. Add the callback or set the mode ('none', 'selective', 'full')."
+            )
+            self.set_checkpointing("full")
 
     def _require_model(self) -> WanModel:
         if self.model is None:
@@ -387,12 +437,17 @@ class FlowMatchingModule(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
+        params = [p for p in self.parameters() if p.requires_grad]
+        # The fused CUDA kernel updates all parameters in a few launches; plain CUDA tensors only
+        # (sharded DTensor parameters keep the default implementation).
+        fused = bool(params) and all(p.is_cuda and type(p) in (torch.Tensor, torch.nn.Parameter) for p in params)
         optimizer = torch.optim.AdamW(
-            [p for p in self.parameters() if p.requires_grad],
+            params,
             lr=hp.lr,
             betas=tuple(hp.betas),
             eps=hp.eps,
             weight_decay=hp.weight_decay,
+            fused=fused or None,
         )
         if hp.warmup_steps == 0:
             return optimizer

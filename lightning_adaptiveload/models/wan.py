@@ -37,15 +37,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from lightning_adaptiveload.models.compiling import configure_recompiles, mark_dynamic
 from lightning_adaptiveload.modules.adaln import AdaLayerNorm
 
 __all__ = [
+    "CHECKPOINTING_MODES",
     "WAN_CONFIGS",
     "WanAttentionBlock",
     "WanConfig",
     "WanModel",
+    "checkpointing_mode",
     "from_name_or_config",
     "rope_angles",
     "rope_apply",
@@ -241,6 +244,49 @@ def rope_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.stack([x0 * c - x1 * si, x0 * si + x1 * c], dim=-1).reshape(b, s, n, d)
 
 
+CHECKPOINTING_MODES = ("none", "selective", "full")
+"""What backward recomputes, from most memory (fastest) to least memory (most recompute)."""
+
+
+def checkpointing_mode(mode: bool | str) -> str:
+    """Normalise an activation-checkpointing setting: ``True`` → ``"full"``, ``False`` → ``"none"``."""
+    if isinstance(mode, bool):
+        return "full" if mode else "none"
+    if mode not in CHECKPOINTING_MODES:
+        raise ValueError(
+            f"Activation checkpointing {mode!r} is not valid. Expected one of {list(CHECKPOINTING_MODES)} "
+            "(or true/false)."
+        )
+    return mode
+
+
+def _attention_ops() -> frozenset:
+    """The ATen attention kernels SDPA may dispatch to (those that exist in this build)."""
+    names = (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_fused_attention_overrideable",
+    )
+    return frozenset(getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n))
+
+
+def _save_attention_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    # Selective checkpointing: the attention kernels' outputs (output and log-sum-exp, what their
+    # backward needs besides q, k, v) are kept; everything else in the block is recomputed.
+    if op in _ATTENTION_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _keep_attention_outputs() -> tuple[Any, Any]:
+    return create_selective_checkpoint_contexts(_save_attention_policy)
+
+
+_ATTENTION_OPS = _attention_ops()
+
+
 class WanRMSNorm(nn.Module):
     """RMSNorm over the last dim, statistics in fp32, learned weight; output in the input dtype."""
 
@@ -315,15 +361,18 @@ class WanAttentionBlock(nn.Module):
         config: model hyperparameters.
 
     Attributes:
-        gradient_checkpointing: recompute this block's activations in backward
-            (``torch.utils.checkpoint``, non-reentrant). Set by :meth:`WanModel.set_gradient_checkpointing`.
+        checkpointing: what backward recomputes (:data:`CHECKPOINTING_MODES`; non-reentrant
+            ``torch.utils.checkpoint``): ``"none"`` keeps every activation; ``"selective"`` keeps the
+            outputs of the attention kernels (the S²-cost part) and recomputes the rest of the block
+            (projections, FFN, norms, RoPE, gating); ``"full"`` keeps only the block's inputs.
+            Set by :meth:`WanModel.set_gradient_checkpointing`.
     """
 
     def __init__(self, config: WanConfig) -> None:
         super().__init__()
         dim, eps = config.dim, config.eps
         self.dim = dim
-        self.gradient_checkpointing = False
+        self.checkpointing = "none"
         self.norm1 = AdaLayerNorm(dim, eps)
         self.self_attn = WanSelfAttention(dim, config.num_heads, config.qk_norm, eps)
         self.norm3 = (
@@ -349,10 +398,20 @@ class WanAttentionBlock(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         """Args: ``x [B, S, D]``, ``e0 [B, 6, D]`` fp32, ``context [B, L, D]``, ``rope`` (cos, sin) ``[S, hd/2]``."""
-        if self.gradient_checkpointing and torch.is_grad_enabled():
-            # Inside the block so that an FSDP unit wrapping it unshards once around the recompute.
+        if self.checkpointing != "none" and torch.is_grad_enabled():
+            # Inside the block so that an FSDP unit wrapping it unshards once around the recompute,
+            # and a compiled block compiles the checkpoint with it (the partitioner honours the policy).
+            if self.checkpointing == "selective":
+                return checkpoint(
+                    self._forward, x, e0, context, rope, use_reentrant=False, context_fn=_keep_attention_outputs
+                )
             return checkpoint(self._forward, x, e0, context, rope, use_reentrant=False)
         return self._forward(x, e0, context, rope)
+
+    @property
+    def gradient_checkpointing(self) -> bool:
+        """Whether backward recomputes anything (``checkpointing != "none"``)."""
+        return self.checkpointing != "none"
 
     def _forward(
         self,
@@ -426,6 +485,7 @@ class WanModel(nn.Module):
         self.time_projection = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
         self.blocks = nn.ModuleList(WanAttentionBlock(config) for _ in range(config.num_layers))
         self.head = WanHead(config)
+        self._blocks_compiled = False
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -454,22 +514,28 @@ class WanModel(nn.Module):
             block.reset_parameters()
         self.head.reset_parameters()
 
-    def set_gradient_checkpointing(self, enabled: bool = True) -> None:
-        """Recompute each block's activations in backward (saves ~all block activations)."""
+    def set_gradient_checkpointing(self, mode: bool | str = True) -> None:
+        """Choose what backward recomputes in every block: ``"none"``, ``"selective"`` or ``"full"``
+        (see :class:`WanAttentionBlock`); ``True`` means ``"full"``, ``False`` ``"none"``."""
+        mode = checkpointing_mode(mode)
         for block in self.blocks:
-            block.gradient_checkpointing = enabled
+            block.checkpointing = mode
 
     def compile_blocks(self, **kwargs: Any) -> None:
         """Compile every transformer block in place (regional compilation, as ``torch.compile``
         recommends for repeated blocks: one compiled graph serves all blocks of the same code).
 
-        Blocks see only tensors (RoPE angles are computed outside them), and dynamic shapes are left
-        to dynamo's automatic marking: the first new (B, S) after the first compile recompiles once
-        with symbolic sizes, so the buckets of a corpus do not each recompile. ``kwargs`` go to
-        :meth:`torch.nn.Module.compile` (e.g. ``mode``, ``backend``).
+        Blocks see only tensors (RoPE angles are computed outside them). Batch and sequence sizes are
+        marked dynamic from the first graph on, so the buckets of a corpus share a graph (B = 1 and
+        each activation-checkpointing mode get their own), and the recompile limit is raised to
+        :data:`~lightning_adaptiveload.models.compiling.RECOMPILE_LIMIT` with hitting it an error,
+        never a silent fall-back to eager (:func:`~lightning_adaptiveload.models.compiling.configure_recompiles`).
+        ``kwargs`` go to :meth:`torch.nn.Module.compile` (e.g. ``mode``, ``backend``).
         """
+        configure_recompiles()
         for block in self.blocks:
             block.compile(**kwargs)
+        self._blocks_compiled = True
 
     def num_parameters(self) -> int:
         """Total number of parameters (works on the meta device)."""
@@ -526,6 +592,9 @@ class WanModel(nn.Module):
 
         context = self.text_embedding(context)
         rope = rope_angles(grid, cfg.head_dim, device=x.device)
+        if self._blocks_compiled:
+            for tensor, dims in ((tokens, (0, 1)), (e0, (0,)), (context, (0,)), (rope[0], (0,)), (rope[1], (0,))):
+                mark_dynamic(tensor, *dims)
         for block in self.blocks:
             tokens = block(tokens, e0, context, rope)
         out = self.head(tokens, e)

@@ -86,3 +86,19 @@ def test_repr_and_to_dict():
     assert repr(p) == "DualConstraintPolicy(m_mem=65520, m_comp=1000000000, p=2.0, oversize='error')"
     assert p.to_dict()["type"] == "dual_constraint"
     assert EqualTokenPolicy(8).to_dict() == {"type": "equal_token", "max_tokens": 8}
+
+
+def test_fixed_batch_policy():
+    from lightning_adaptiveload.bucketing.policy import FixedBatchPolicy
+
+    policy = FixedBatchPolicy({32760: 1, "7800": 4, 1560: 16})
+    assert policy.batch_sizes(np.array([1560, 32760, 7800, 1560])).tolist() == [16, 1, 4, 16]
+    assert policy.to_dict() == {"type": "fixed", "batch_sizes": {1560: 16, 7800: 4, 32760: 1}, "default": None}
+    with pytest.raises(ValueError, match=r"no batch size for S=100 \(1 sequence lengths are missing"):
+        policy.batch_sizes(np.array([100, 1560]))
+    assert FixedBatchPolicy({10: 2}, default=3).batch_sizes(np.array([10, 11])).tolist() == [2, 3]
+    assert FixedBatchPolicy(None, default=2).batch_size(5) == 2
+    for bad, match in (({}, "non-empty unless"), ({10: 0}, r"batch_sizes\[10\]=0"), ({"x": 1}, "key 'x'"),
+                       ({10: 1.5}, r"batch_sizes\[10\]=1.5")):
+        with pytest.raises(ValueError, match=match):
+            FixedBatchPolicy(bad)

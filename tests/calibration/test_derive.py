@@ -135,3 +135,37 @@ def test_bucket_counts_give_the_same_derivation_as_every_sample():
     grids, counts = count_buckets(shapes)
     bucketed = derive_policy(cm, grids, 65_520, counts=counts, world_size=4, num_candidates=8)
     assert bucketed.to_dict() == per_sample.to_dict()
+
+
+def _probe_result(status, peak, s=1000):
+    from lightning_adaptiveload.calibration.profile import Measurement
+
+    return Measurement(1, (1, 10, 100), s, 1.0 if status == "ok" else None, peak, status, 1 if status == "ok" else 0)
+
+
+def test_choose_checkpointing_least_recompute_that_fits_within_the_margin():
+    from lightning_adaptiveload.calibration.derive import choose_checkpointing, probe_fits
+
+    gib = 2**30
+    peaks = {"none": 95 * gib, "selective": 60 * gib, "full": 30 * gib}
+    asked = []
+
+    def probe(mode):
+        asked.append(mode)
+        return _probe_result("ok", peaks[mode])
+
+    # 100 GiB device, 10% margin: 90 GiB usable; 10 GiB of optimizer state still to come.
+    choice = choose_checkpointing(("none", "selective", "full"), probe, 100 * gib, margin=0.1, pending_bytes=10 * gib)
+    assert choice.mode == "selective" and choice.fits and asked == ["none", "selective"]
+    assert [m for m, _ in choice.probes] == ["none", "selective"]
+    # Exactly at the limit fits; one byte over does not.
+    assert probe_fits(_probe_result("ok", 80 * gib), 100 * gib, 0.1, 10 * gib)
+    assert not probe_fits(_probe_result("ok", 80 * gib + 1), 100 * gib, 0.1, 10 * gib)
+    assert not probe_fits(_probe_result("oom", None), 100 * gib, 0.1)
+    assert probe_fits(_probe_result("ok", None), None, 0.1)  # CPU: running is enough
+    asked.clear()
+    nothing = choose_checkpointing(("none", "full"), lambda m: _probe_result("oom", None), 100 * gib)
+    assert nothing.mode == "full" and not nothing.fits and len(nothing.probes) == 2
+    assert choose_checkpointing(("none",), probe, 200 * gib).to_dict()["probes"][0]["mode"] == "none"
+    with pytest.raises(ValueError, match="`modes` is empty"):
+        choose_checkpointing((), probe, None)

@@ -125,3 +125,53 @@ def test_measurement_round_trip_and_validation():
         Measurement.from_dict({**m.to_dict(), "time_s": None})
     with pytest.raises(ValueError, match="lacks"):
         Measurement.from_dict({"batch_size": 1})
+
+
+class CompileClock:
+    """Cumulative compile seconds: each step in ``compiling`` (0-based call index) adds 5 s."""
+
+    def __init__(self, compiling):
+        self.compiling, self.calls, self.total = set(compiling), 0, 0.0
+
+    def step_hook(self):
+        if self.calls in self.compiling:
+            self.total += 5.0
+        self.calls += 1
+
+    def __call__(self):
+        return self.total
+
+
+def _compiling_stepper(clock, durations, compile_clock, calls):
+    def make_step(b, grid):
+        def step():
+            calls.append(b)
+            compile_clock.step_hook()
+            clock.t += next(durations)
+        return step
+    return make_step
+
+
+def test_compile_clock_times_steady_warmup_steps_and_never_a_compiling_one():
+    clock, calls = Clock(), []
+    # Shape 1: the first step compiles (warm-up, not timed), then two timed steps.
+    # Shape 2: nothing compiles, so its "warm-up" step is timed and two steps suffice.
+    # Shape 3: a recompile in the second step: that step is dropped and an extra one runs.
+    cc = CompileClock({0, 6})
+    durations = iter([30.0, 1.0, 3.0, 2.0, 4.0, 9.0, 5.0, 6.0])
+    plan = [Shape(1, (1, 1, 4)), Shape(1, (1, 1, 8)), Shape(2, (1, 1, 8))]
+    m = profile(_compiling_stepper(clock, durations, cc, calls), plan, warmup=1, repeats=2, shape_time_s=100,
+                clock=clock, compile_clock=cc)
+    assert calls == [1, 1, 1, 1, 1, 2, 2, 2]
+    assert [x.timed_steps for x in m] == [2, 2, 2]
+    assert [x.time_s for x in m] == [2.0, 3.0, 7.5]
+    assert [x.compile_s for x in m] == [5.0, 0.0, 5.0]
+    assert Measurement.from_dict(m[0].to_dict()) == m[0]
+
+
+def test_compile_clock_keeps_a_time_when_every_step_compiles():
+    clock, calls = Clock(), []
+    cc = CompileClock(range(100))
+    m = profile(_compiling_stepper(clock, iter([7.0, 6.0, 5.0, 4.0, 3.0]), cc, calls), [Shape(1, (1, 1, 4))],
+                warmup=1, repeats=2, shape_time_s=100, clock=clock, compile_clock=cc)
+    assert len(calls) == 5 and m[0].timed_steps == 1 and m[0].time_s == 3.0

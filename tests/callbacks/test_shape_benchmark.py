@@ -359,7 +359,7 @@ def test_setup_checks_module_and_datamodule(tmp_path):
         _trainer(tmp_path, _cb(tmp_path)).fit(TinyModule(), datamodule=PlainDM())
 
 
-def _real_parts(num_samples=64):
+def _real_parts(num_samples=64, **module_kwargs):
     datamodule = pytest.importorskip("lightning_adaptiveload.data.datamodule")
     from lightning_adaptiveload.bucketing.policy import EqualTokenPolicy
     from lightning_adaptiveload.data.synthetic import SyntheticMixedDataset
@@ -372,7 +372,7 @@ def _real_parts(num_samples=64):
     ]
     dataset = SyntheticMixedDataset(num_samples, mixture, text_len=16, text_dim=32)
     dm = datamodule.AdaptiveLoadDataModule(dataset, EqualTokenPolicy(4096))
-    return FlowMatchingModule("tiny"), dm
+    return FlowMatchingModule("tiny", **module_kwargs), dm
 
 
 def test_real_tiny_model_and_datamodule(tmp_path):
@@ -386,8 +386,9 @@ def test_real_tiny_model_and_datamodule(tmp_path):
 
 
 @pytest.mark.cuda
-def test_real_tiny_model_on_gpu(tmp_path):
-    model, dm = _real_parts()
+@pytest.mark.parametrize("compile", [False, True])
+def test_real_tiny_model_on_gpu(tmp_path, compile):
+    model, dm = _real_parts(activation_checkpointing="auto", compile=compile)
     cb = _cb(tmp_path, max_shapes=3, repeats=3)
     trainer = Trainer(accelerator="cuda", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, default_root_dir=tmp_path, callbacks=[cb],
@@ -398,6 +399,13 @@ def test_real_tiny_model_on_gpu(tmp_path):
     assert all(m.peak_bytes > 0 for m in cal.measurements if m.status == "ok")
     assert cb.derivation.m_mem >= int(dm.dataset.token_grids().prod(axis=1).max())
     assert (tmp_path / "bench" / "shape_benchmark.png").exists()
+    # The tiny model fits without checkpointing: one probe, with its measured peak memory.
+    choice = cal.extra["checkpointing"]
+    assert choice["mode"] == "none" and len(choice["probes"]) == 1 and choice["probes"][0]["peak_bytes"] > 0
+    assert model.checkpointing == "none"
+    if compile:
+        assert cal.extra["compile_seconds"] > 0
+        assert all(m.timed_steps >= 1 for m in cal.measurements if m.status == "ok")
 
 
 def test_runs_through_a_wrapping_strategy(tmp_path):
@@ -492,3 +500,70 @@ def test_fixed_m_mem_skip_never_profiles_oversize_and_error_fails_first(tmp_path
     with pytest.raises(ValueError, match=r"S=180 tokens.*bucketing.policy.oversize=skip"):
         _trainer(tmp_path, _cb(tmp_path, m_mem=100)).fit(model, datamodule=dm)
     assert model.calls == []  # before any profiling
+
+
+class ModalModule(TinyModule):
+    """TinyModule with activation-checkpointing modes; ``oom_modes`` run out of memory at the longest S."""
+
+    checkpointing_modes = ("none", "selective", "full")
+
+    def __init__(self, oom_modes=("none",), dim: int = 8) -> None:
+        super().__init__(dim)
+        self.checkpointing = "auto"
+        self.modes_seen: list[str] = []
+        s_max = int(GRIDS.prod(axis=1).max())
+
+        def hook(b, s):
+            self.modes_seen.append(self.checkpointing)
+            if self.checkpointing in oom_modes and b * s >= s_max:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+
+        self.hook = hook
+
+    def set_checkpointing(self, mode):
+        assert mode in self.checkpointing_modes
+        self.checkpointing = mode
+
+
+def test_auto_checkpointing_picks_least_recompute_that_fits_and_is_reapplied(tmp_path):
+    cache = tmp_path / "cache"
+    cb, model = _cb(tmp_path, cache_dir=cache), ModalModule(oom_modes=("none",))
+    _trainer(tmp_path, cb).fit(model, datamodule=TinyDataModule())
+    choice = cb.calibration.extra["checkpointing"]
+    assert choice["mode"] == "selective" and choice["fits"]
+    assert [(p["mode"], p["status"], p["seq_len"]) for p in choice["probes"]] == [("none", "oom", 180), ("selective", "ok", 180)]
+    assert model.checkpointing == "selective"
+    # Probes first (one step each), then every profiled step in the chosen mode; `full` never ran.
+    assert model.modes_seen[:2] == ["none", "selective"] and set(model.modes_seen[2:]) == {"selective"}
+    assert cb.calibration.key["checkpointing"] == "auto"
+
+    # The cached record carries the mode: a new "auto" run takes it without probing or profiling.
+    again, model2 = _cb(tmp_path, cache_dir=cache), ModalModule(oom_modes=("none",))
+    _trainer(tmp_path, again).fit(model2, datamodule=TinyDataModule())
+    assert again.source == "cache" and model2.checkpointing == "selective"
+    assert len(model2.modes_seen) == 2 and set(model2.modes_seen) == {"selective"}  # the two training steps
+
+    # Resume: the checkpoint's calibration gives the mode back.
+    trainer = _trainer(tmp_path, first := _cb(tmp_path))
+    trainer.fit(ModalModule(oom_modes=("none", "selective")), datamodule=TinyDataModule())
+    assert first.calibration.extra["checkpointing"]["mode"] == "full"
+    trainer.save_checkpoint(tmp_path / "auto.ckpt")
+    resumed, model3 = _cb(tmp_path), ModalModule(oom_modes=())
+    _trainer(tmp_path, resumed, max_steps=3).fit(model3, datamodule=TinyDataModule(), ckpt_path=tmp_path / "auto.ckpt")
+    assert resumed.source == "checkpoint" and model3.checkpointing == "full"
+
+
+def test_auto_checkpointing_that_fits_nowhere_stops_before_profiling(tmp_path):
+    model = ModalModule(oom_modes=("none", "selective", "full"))
+    with pytest.raises(ValueError, match=r"S=180\), which does not fit one device even with 'full'"):
+        _trainer(tmp_path, _cb(tmp_path)).fit(model, datamodule=TinyDataModule())
+    assert model.modes_seen == ["none", "selective", "full"]  # the three probes, no profile
+
+
+def test_a_fixed_mode_is_part_of_the_key_and_never_probed(tmp_path):
+    model = ModalModule(oom_modes=())
+    model.checkpointing = "full"
+    cb = _cb(tmp_path)
+    _trainer(tmp_path, cb).fit(model, datamodule=TinyDataModule())
+    assert cb.calibration.key["checkpointing"] == "full" and "checkpointing" not in cb.calibration.extra
+    assert model.checkpointing == "full" and set(model.modes_seen) == {"full"}

@@ -47,3 +47,82 @@ def test_flow_matching_module_compiles_blocks_when_asked(monkeypatch):
     assert calls == [2]
     with pytest.raises(ValueError, match="compile='yes'"):
         FlowMatchingModule("tiny", compile="yes")
+
+
+def test_compiled_checkpointing_modes_match_eager_and_never_fall_back_silently():
+    import pytest
+
+    from lightning_adaptiveload.models.compiling import RECOMPILE_LIMIT, compile_seconds
+
+    torch.manual_seed(0)
+    model = WanModel("tiny")
+    ref = WanModel("tiny")
+    ref.load_state_dict(model.state_dict())
+    before = compile_seconds()
+    # aot_eager runs AOTAutograd's partitioner (where the checkpoint policy is honoured) without inductor.
+    model.compile_blocks(backend="aot_eager")
+    assert torch._dynamo.config.fail_on_recompile_limit_hit
+    assert torch._dynamo.config.recompile_limit >= RECOMPILE_LIMIT
+    cfg = model.config
+    for mode in ("selective", "full", "none"):
+        model.set_gradient_checkpointing(mode)
+        ref.set_gradient_checkpointing(mode)
+        for b, (f, h, w) in ((2, (1, 4, 4)),):
+            x = torch.randn(b, cfg.in_dim, f, 2 * h, 2 * w)
+            t = torch.rand(b) * 1000
+            c = torch.randn(b, cfg.text_len, cfg.text_dim)
+            model.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+            out, want = model(x, t, c), ref(x, t, c)
+            out.square().mean().backward()
+            want.square().mean().backward()
+            torch.testing.assert_close(out, want, rtol=0, atol=1e-6)
+            for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=f"{mode} {name}")
+    assert compile_seconds() > before
+    # A limit that is hit is an error, not a silent eager fall-back.
+    torch._dynamo.reset()
+    small = WanModel("tiny")
+    small.compile_blocks(backend="aot_eager")
+    torch._dynamo.config.recompile_limit = 1
+    try:
+        small.set_gradient_checkpointing("none")
+        small(torch.randn(2, cfg.in_dim, 1, 8, 8), torch.rand(2), torch.randn(2, cfg.text_len, cfg.text_dim))
+        small.set_gradient_checkpointing("full")
+        with pytest.raises(Exception, match="(?i)recompile"):
+            with torch.enable_grad():
+                small(torch.randn(2, cfg.in_dim, 1, 8, 8), torch.rand(2), torch.randn(2, cfg.text_len, cfg.text_dim))
+    finally:
+        torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+        torch._dynamo.reset()
+
+
+@__import__("pytest").mark.cuda
+def test_inductor_checkpointing_modes_match_eager_on_gpu():
+    """The real backend on the GPU: selective and full recompute inside compiled blocks give eager's gradients."""
+    import pytest
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(0)
+    model = WanModel("tiny").cuda()
+    ref = WanModel("tiny").cuda()
+    ref.load_state_dict(model.state_dict())
+    model.compile_blocks()
+    cfg = model.config
+    for mode in ("selective", "full", "none"):
+        model.set_gradient_checkpointing(mode)
+        ref.set_gradient_checkpointing(mode)
+        x = torch.randn(2, cfg.in_dim, 3, 8, 12, device="cuda")
+        t = torch.rand(2, device="cuda") * 1000
+        c = torch.randn(2, cfg.text_len, cfg.text_dim, device="cuda")
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out, want = model(x, t, c), ref(x, t, c)
+        out.square().mean().backward()
+        want.square().mean().backward()
+        torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+            rel = (p.grad - q.grad).norm() / q.grad.norm().clamp_min(1e-12)
+            assert rel < 3e-2, f"{mode} {name}: relative gradient difference {rel:.3g}"

@@ -269,6 +269,38 @@ def test_configure_model_is_idempotent_and_required():
     assert module.model.config == WAN_CONFIGS["tiny"]
 
 
+def test_checkpointing_settings():
+    for setting, mode in ((False, "none"), (True, "full"), ("selective", "selective"), ("none", "none")):
+        module = FlowMatchingModule("tiny", activation_checkpointing=setting)
+        module.configure_model()
+        assert module.checkpointing == mode
+        assert {block.checkpointing for block in module.model.blocks} == {mode}
+    auto = FlowMatchingModule("tiny", activation_checkpointing="auto")
+    auto.configure_model()
+    assert auto.checkpointing == "auto" and auto.model.blocks[0].checkpointing == "full"  # safe until chosen
+    auto.set_checkpointing("selective")
+    assert auto.checkpointing == "selective" and auto.checkpointing_modes == ("none", "selective", "full")
+    with pytest.raises(ValueError, match=r"activation_checkpointing='some'.*'auto'"):
+        FlowMatchingModule("tiny", activation_checkpointing="some")
+
+
+def test_auto_checkpointing_without_the_shape_benchmark_trains_full_and_warns(tmp_path):
+    import lightning
+
+    from lightning_adaptiveload.bucketing.policy import EqualTokenPolicy
+    from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+    from lightning_adaptiveload.data.synthetic import SyntheticMixedDataset
+
+    dataset = SyntheticMixedDataset(8, [{"num_frames": 1, "height": 64, "width": 64, "weight": 1.0}],
+                                    text_len=16, text_dim=32)
+    module = FlowMatchingModule("tiny", activation_checkpointing="auto")
+    trainer = lightning.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match="needs ShapeBenchmarkCallback"):
+        trainer.fit(module, datamodule=AdaptiveLoadDataModule(dataset, EqualTokenPolicy(64)))
+    assert module.checkpointing == "full"
+
+
 def test_accepts_config_and_dict_and_saves_plain_hparams():
     cfg = WAN_CONFIGS["tiny"]
     a = FlowMatchingModule(cfg)

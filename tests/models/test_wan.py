@@ -289,13 +289,53 @@ def test_gradients_reach_every_parameter():
 def test_gradient_checkpointing_gives_same_gradients():
     x, t, ctx = _inputs(_model(), 2, (2, 4, 4))
     grads = []
-    for enabled in (False, True):
+    for mode in (False, True, "selective", "full"):
         model = _model()
-        model.set_gradient_checkpointing(enabled)
+        model.set_gradient_checkpointing(mode)
         model(x, t, ctx).square().mean().backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
-    for name in grads[0]:
-        torch.testing.assert_close(grads[0][name], grads[1][name], msg=name)
+    for other in grads[1:]:
+        for name in grads[0]:
+            torch.testing.assert_close(grads[0][name], other[name], msg=name)
+
+
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts ATen calls by name (forward and backward, recomputation included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _attention_calls(counts: dict[str, int]) -> int:
+    return sum(n for name, n in counts.items() if name.startswith("_scaled_dot_product") and "backward" not in name)
+
+
+@pytest.mark.parametrize(("mode", "attention_runs", "ffn_runs"), [("none", 1, 1), ("selective", 1, 2), ("full", 2, 2)])
+def test_checkpointing_modes_recompute_what_they_say(mode, attention_runs, ffn_runs):
+    """Selective keeps the attention kernels' outputs (no second attention forward in backward)
+    and recomputes the rest of the block; full recomputes everything; none nothing."""
+    model = _model()
+    model.set_gradient_checkpointing(mode)
+    assert all(block.checkpointing == mode for block in model.blocks)
+    x, t, ctx = _inputs(model, 2, (2, 4, 4))
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION), _CountOps() as ops:
+        model(x, t, ctx).square().mean().backward()
+    per_pass = 2 * model.config.num_layers  # self- and cross-attention in every block
+    assert _attention_calls(ops.counts) == attention_runs * per_pass
+    # gelu runs once per block forward (once more per recompute), plus once in the text MLP.
+    assert ops.counts["gelu"] == ffn_runs * model.config.num_layers + 1
+
+
+def test_checkpointing_mode_errors():
+    model = _model()
+    with pytest.raises(ValueError, match="'some' is not valid.*selective"):
+        model.set_gradient_checkpointing("some")
 
 
 def test_bf16_autocast_close_to_fp32():

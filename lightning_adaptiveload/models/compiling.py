@@ -1,0 +1,53 @@
+"""Regional compilation of repeated blocks: the dynamo settings a bucketed corpus needs, and compile time.
+
+A bucketed corpus feeds a compiled block 10-30 distinct (B, S); dynamo compiles one static graph,
+then, on the first new size, one with symbolic sizes (automatic dynamic shapes), plus a graph per
+size-0/1 specialisation (B = 1) and per activation-checkpointing mode. Its default recompile limit (8
+per code object) leaves little room, and when the limit is hit dynamo silently runs that code eager
+from then on. :func:`configure_recompiles` raises the limit to a stated number and makes hitting it
+an error instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["RECOMPILE_LIMIT", "compile_seconds", "configure_recompiles"]
+
+#: Graphs allowed per compiled block: a static and a dynamic graph per (checkpointing mode, B = 1 or
+#: not), with room to spare. A corpus that needs more is a bug worth hearing about.
+RECOMPILE_LIMIT = 32
+
+
+def configure_recompiles(limit: int = RECOMPILE_LIMIT) -> None:
+    """Allow ``limit`` graphs per compiled code object (never lowering a larger setting) and make
+    reaching it raise (``torch._dynamo.config.fail_on_recompile_limit_hit``) rather than run eager."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    config.recompile_limit = max(int(config.recompile_limit), int(limit))
+    config.accumulated_recompile_limit = max(int(config.accumulated_recompile_limit), 8 * int(limit))
+    config.fail_on_recompile_limit_hit = True
+
+
+def compile_seconds() -> float:
+    """Wall seconds this process has spent compiling with ``torch.compile`` so far (forward and backward).
+
+    Reads dynamo's own timing (``torch._dynamo.utils.calculate_time_spent``), a private helper:
+    0.0 if this torch build lacks it, so callers only lose the report, never the run.
+    """
+    try:
+        from torch._dynamo.utils import calculate_time_spent
+    except ImportError:  # pragma: no cover - older or stripped builds
+        return 0.0
+    try:
+        return float(calculate_time_spent().get("total_wall_time", 0.0))
+    except Exception:  # noqa: BLE001 - a private API; the number is informative only
+        return 0.0
+
+
+def mark_dynamic(tensor: torch.Tensor, *dims: int) -> None:
+    """Compile ``dims`` of ``tensor`` with symbolic sizes from the first graph on (no static graph
+    first), where dynamo allows it; a no-op outside compilation."""
+    for d in dims:
+        torch._dynamo.maybe_mark_dynamic(tensor, d)
