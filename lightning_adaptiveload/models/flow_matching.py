@@ -437,17 +437,12 @@ class FlowMatchingModule(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
-        params = [p for p in self.parameters() if p.requires_grad]
-        # The fused CUDA kernel updates all parameters in a few launches; plain CUDA tensors only
-        # (sharded DTensor parameters keep the default implementation).
-        fused = bool(params) and all(p.is_cuda and type(p) in (torch.Tensor, torch.nn.Parameter) for p in params)
         optimizer = torch.optim.AdamW(
-            params,
+            [p for p in self.parameters() if p.requires_grad],
             lr=hp.lr,
             betas=tuple(hp.betas),
             eps=hp.eps,
             weight_decay=hp.weight_decay,
-            fused=fused or None,
         )
         if hp.warmup_steps == 0:
             return optimizer

@@ -395,7 +395,8 @@ def test_real_tiny_model_on_gpu(tmp_path, compile):
                       use_distributed_sampler=False)
     trainer.fit(model, datamodule=dm)
     cal = cb.calibration
-    assert cal.device_memory > 0 and cal.memory_model is not None
+    # Compiled, the tiny model's peak is its fixed memory at every shape (no B·S slope to fit).
+    assert cal.device_memory > 0 and (cal.memory_model is not None or compile)
     assert all(m.peak_bytes > 0 for m in cal.measurements if m.status == "ok")
     assert cb.derivation.m_mem >= int(dm.dataset.token_grids().prod(axis=1).max())
     assert (tmp_path / "bench" / "shape_benchmark.png").exists()
