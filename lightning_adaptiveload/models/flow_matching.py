@@ -20,6 +20,7 @@ from typing_extensions import override
 from lightning_adaptiveload.geometry import tokens_of
 from lightning_adaptiveload.models.wan import (
     CHECKPOINTING_MODES,
+    WanAttentionBlock,
     WanConfig,
     WanModel,
     checkpointing_mode,
@@ -256,7 +257,8 @@ class FlowMatchingModule(pl.LightningModule):
         if not getattr(self, "_checkpointing_decided", False):
             setting = self.hparams.activation_checkpointing
             return "auto" if setting == "auto" else checkpointing_mode(setting)
-        return self._require_model().blocks[0].checkpointing if len(self._require_model().blocks) else "none"
+        blocks = [m for m in self._require_model().modules() if isinstance(m, WanAttentionBlock)]
+        return blocks[0].checkpointing if blocks else "none"
 
     def set_checkpointing(self, mode: str) -> None:
         """Switch every block to ``mode`` (one of :attr:`checkpointing_modes`); compiled blocks recompile once."""

@@ -518,8 +518,11 @@ class WanModel(nn.Module):
         """Choose what backward recomputes in every block: ``"none"``, ``"selective"`` or ``"full"``
         (see :class:`WanAttentionBlock`); ``True`` means ``"full"``, ``False`` ``"none"``."""
         mode = checkpointing_mode(mode)
-        for block in self.blocks:
-            block.checkpointing = mode
+        # Through self.modules(): a wrapper around a block (FSDP1's FullyShardedDataParallel) would
+        # take the attribute itself and leave the block it wraps unchanged.
+        for module in self.modules():
+            if isinstance(module, WanAttentionBlock):
+                module.checkpointing = mode
 
     def compile_blocks(self, **kwargs: Any) -> None:
         """Compile every transformer block in place (regional compilation, as ``torch.compile``

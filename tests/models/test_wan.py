@@ -332,6 +332,19 @@ def test_checkpointing_modes_recompute_what_they_say(mode, attention_runs, ffn_r
     assert ops.counts["gelu"] == ffn_runs * model.config.num_layers + 1
 
 
+def test_checkpointing_mode_reaches_wrapped_blocks():
+    class Wrapper(torch.nn.Module):  # what FSDP1 puts around a block: attributes set on it stay on it
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+    model = _model()
+    model.blocks[0] = Wrapper(model.blocks[0])
+    model.set_gradient_checkpointing("selective")
+    assert model.blocks[0].inner.checkpointing == "selective" and model.blocks[1].checkpointing == "selective"
+    assert not hasattr(model.blocks[0], "checkpointing")
+
+
 def test_checkpointing_mode_errors():
     model = _model()
     with pytest.raises(ValueError, match="'some' is not valid.*selective"):
