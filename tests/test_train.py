@@ -123,6 +123,7 @@ def test_experiments_run_on_cpu_with_a_tiny_model(tmp_path):
             "experiment=wan2_1_1_3b_480p",
             "model=tiny",
             "data=synthetic_tiny",
+            "data.dataset.mixture=tiny",  # the recipe pins its 480p mix
             "strategy=auto",
             "trainer=cpu",
             "++trainer.fast_dev_run=2",
