@@ -82,7 +82,7 @@ def test_token_grids_come_from_the_index_alone(corpus):
         tar.unlink()
     ds = ShardedLatentDataset(corpus, check_shards=False)
     grids = ds.token_grids()
-    assert grids.dtype == np.int32 and not grids.flags.writeable  # a view of the kept array, not a copy
+    assert grids.dtype == np.int16 and not grids.flags.writeable  # a view of the kept array, not a copy
     assert [tuple(g) for g in ds.token_grids()] == [_sample(i)[0] for i in range(24)]
 
 
