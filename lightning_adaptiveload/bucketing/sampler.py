@@ -140,7 +140,9 @@ def _lex_first(first: np.ndarray, second: np.ndarray, k: int) -> np.ndarray:
     less, tie = np.flatnonzero(first < f), np.flatnonzero(first == f)
     need = k - len(less)
     s = np.partition(second[tie], need - 1)[need - 1]
-    pick = np.sort(np.concatenate([less, tie[second[tie] < s], tie[second[tie] == s][: need - np.sum(second[tie] < s)]]))
+    below = tie[second[tie] < s]
+    # Each part is in ascending position and no two parts share a key: the stable sort keeps positions.
+    pick = np.concatenate([less, below, tie[second[tie] == s][: need - len(below)]])
     if len(pick) != k:  # NaN keys: order them the slow way
         return np.lexsort((second, first))[:k]
     return pick[np.lexsort((second[pick], first[pick]))]

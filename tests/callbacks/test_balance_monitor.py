@@ -182,3 +182,19 @@ def test_data_wait_measures_a_slow_loader(tmp_path, delay, want, tol):
     assert monitor.summary()["data_wait_frac"] == pytest.approx(want, abs=tol)
     waits = [row[0][6] for row in monitor.history]
     assert all(w == pytest.approx(delay, abs=0.03) for w in waits)
+
+
+class _SlowValidation(_SleepyStep):
+    def validation_step(self, batch, batch_idx):
+        time.sleep(0.3)
+
+
+def test_validation_between_batches_is_not_data_wait(tmp_path):
+    monitor = BalanceMonitor(log_every_n_steps=1)
+    trainer = Trainer(default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=6, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      callbacks=[monitor], val_check_interval=2, limit_val_batches=1, num_sanity_val_steps=0)
+    loader = torch.utils.data.DataLoader(_SlowData(0.0), batch_size=None)
+    trainer.fit(_SlowValidation(), train_dataloaders=loader, val_dataloaders=loader)
+    waits = [row[0][6] for row in monitor.history]
+    assert len(waits) == 6 and max(waits) < 0.1  # three 0.3 s validations ran between batches
