@@ -50,13 +50,14 @@ fi
 VIDEO_FRAC=${VIDEO_FRAC:-0.25}
 
 T0=$(date +%s.%N)
-$PY - "$WORK/corpus" "$SAMPLES" "$VIDEO_FRAC" "$VIDEO" "$IMAGE" "$TEXT" "$GRID_HW" <<'PY'
-import json, os, sys, time
+$PY - "$WORK/corpus" "$SAMPLES" "$VIDEO_FRAC" "$VIDEO" "$IMAGE" "$TEXT" "$GRID_HW" "$REPO/benchmarks" <<'PY'
+import json, sys
 from pathlib import Path
 
 import numpy as np
 
-from lightning_adaptiveload.data.shards import ShardWriter, index_rows_to_table, write_index
+sys.path.insert(0, sys.argv[8])
+from bench_shards import write_corpus  # noqa: E402
 
 root, n, video_frac = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 video, image, text = (tuple(int(v) for v in a.split(",")) for a in sys.argv[4:7])
@@ -66,30 +67,11 @@ rng = np.random.default_rng(0)
 arrays = {"video": rng.standard_normal(video).astype(np.float16), "image": rng.standard_normal(image).astype(np.float16)}
 context = rng.standard_normal(text).astype(np.float16)
 is_video = rng.random(n) < video_frac
-rows, shards, per_shard = [], [], 16
-t = time.perf_counter()
-for start in range(0, n, per_shard):
-    name = f"shards/shard-{len(shards):06d}.tar"
-    shards.append(name)
-    with ShardWriter(root / name) as w:
-        for i in range(start, min(n, start + per_shard)):
-            lat = arrays["video" if is_video[i] else "image"]
-            where = w.add(f"{i:09d}", lat, context, {"i": i})
-            c, f, h, wd = lat.shape
-            rows.append({"shard": name, "shard_id": len(shards) - 1, "key": f"{i:09d}", **where, "channels": c,
-                         "latent_f": f, "latent_h": h, "latent_w": wd, "grid_f": f, "grid_h": gh, "grid_w": gw,
-                         "seq_len": f * gh * gw, "context_len": text[0], "caption_hash": "0", "source": ""})
-    fd = os.open(root / name, os.O_RDONLY)
-    try:  # written and fsynced by ShardWriter: its clean pages can leave the page cache
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-write_index(root / "index.parquet", index_rows_to_table(rows),
-            {"shards": shards, "text_len": text[0], "text_dim": text[1], "dtype": "float16"})
-size = sum((root / s).stat().st_size for s in shards)
+written = write_corpus(root, [arrays["video" if v else "image"] for v in is_video], context, (gh, gw), evict=True)
+shards, size = written["shards"], written["shard_bytes"]
 info = {"samples": n, "videos": int(is_video.sum()), "images": int(n - is_video.sum()), "video_latents": video,
         "image_latents": image, "context": text, "stored": "float16", "shards": len(shards), "shard_bytes": size,
-        "write_s": time.perf_counter() - t}
+        "write_s": written["write_s"]}
 (root / "corpus.json").write_text(json.dumps(info))
 print(f"corpus: {json.dumps(info)}", flush=True)
 PY
