@@ -19,7 +19,9 @@
 #    over total wall time) and tokens/s, and the per-step values from the CSV log, to
 #    "$OUT/data_wait_h200x1.json" ("$OUT/data_wait_cpu.json" with MODE=cpu).
 #
-# Expected GPU time on one H200: ~20 s writing the corpus, ~30 s start-up, ~3 s a step.
+# GPU time on one H200, estimated (not yet run): ~20 s writing the corpus (3.4 GB), ~30 s start-up and
+# ~2.8 s a step (the shape benchmark measured 2.79 s at B=1, S=32,760 and 2.82 s at B=42, S=1,560:
+# benchmarks/results/shape_benchmark_wan2_1_1_3b_h200x1.json), ~2.5 min in all; STEPS=20 saves 30 s.
 set -euo pipefail
 OUT=${OUT:?set OUT to the folder for the JSON}
 MODE=${MODE:-gpu}
