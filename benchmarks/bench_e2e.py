@@ -187,7 +187,7 @@ def _run(args: argparse.Namespace, name: str, out_dir: Path, m_mem: int | None, 
     bench = next((cb for cb in run.trainer.callbacks if isinstance(cb, ShapeBenchmarkCallback)), None)
     fused = next((cb for cb in run.trainer.callbacks if isinstance(cb, FusedAdaLNCallback)), None)
     summary = monitor.summary()
-    history = np.stack(monitor.history) if monitor.history else np.zeros((0, run.trainer.world_size, 6))
+    history = np.stack(monitor.history) if monitor.history else np.zeros((0, run.trainer.world_size, 7))
     dm = run.datamodule
     world = run.trainer.world_size
     sim = simulate(dm.shapes, dm.policy, world, cost_model=dm.cost_model, balance=dm.balance, seed=args.seed)
@@ -204,7 +204,7 @@ def _run(args: argparse.Namespace, name: str, out_dir: Path, m_mem: int | None, 
         "m_mem": None if bench is None else bench.derivation.m_mem,
         "fused_modules": None if fused is None else fused.patched,
         "losses": recorder.losses,
-        # [step, rank, field]: step_time, forward_time, compute, tokens, peak_mem, flops.
+        # [step, rank, field]: step_time, forward_time, compute, tokens, peak_mem, flops, data_wait.
         "per_step": history.tolist(),
         "simulated_tokens_per_s": sim.tokens_per_s,
         "simulation_error": (sim.tokens_per_s / measured - 1.0) if measured else None,

@@ -100,12 +100,16 @@ def measure_index(path: str) -> dict:
     t = time.perf_counter()
     ds = ShardedLatentDataset(path, check_shards=False)
     out["open_index_s"] = time.perf_counter() - t
+    kept = [v for k, v in vars(ds).items() if k.startswith("_") and isinstance(v, np.ndarray)]
+    out["dataset_bytes_per_sample"] = sum(a.nbytes for a in kept) / len(ds)
+    out["peak_rss_after_open_mb"] = _peak_rss_mb()
     t = time.perf_counter()
     grids = ds.token_grids()
     out["token_grids_s"] = time.perf_counter() - t
     t = time.perf_counter()
     sampler = AdaptiveBucketBatchSampler(grids, DualConstraintPolicy(**POLICY), num_replicas=64, rank=0)
     out["sampler_build_s"] = time.perf_counter() - t
+    out["peak_rss_after_sampler_mb"] = _peak_rss_mb()
     t = time.perf_counter()
     out["batches_per_rank"] = len(sampler)
     out["plan_len_s"] = time.perf_counter() - t
@@ -118,38 +122,53 @@ def measure_index(path: str) -> dict:
     return out
 
 
+def write_corpus(root: Path, latents: list, context: np.ndarray, grid_hw: tuple[int, int], per_shard: int = 16,
+                 evict: bool = False) -> dict:
+    """Shards of ``latents[i]`` (``[C, F, H, W]``, token grid ``(F, *grid_hw)``) with ``context`` each, written
+    with the package's ShardWriter, and their ``index.parquet``. ``evict``: drop each shard from the page
+    cache after writing (``posix_fadvise`` DONTNEED, best effort), so reads go to the disk."""
+    from lightning_adaptiveload.data.shards import ShardWriter, index_rows_to_table, write_index
+
+    rows, shards = [], []
+    t = time.perf_counter()
+    for start in range(0, len(latents), per_shard):
+        name = f"shards/shard-{len(shards):06d}.tar"
+        shards.append(name)
+        with ShardWriter(root / name) as w:
+            for i in range(start, min(len(latents), start + per_shard)):
+                c, f, h, wd = latents[i].shape
+                where = w.add(f"{i:09d}", latents[i], context, {"i": i})
+                rows.append({"shard": name, "shard_id": len(shards) - 1, "key": f"{i:09d}", **where, "channels": c,
+                             "latent_f": f, "latent_h": h, "latent_w": wd, "grid_f": f, "grid_h": grid_hw[0],
+                             "grid_w": grid_hw[1], "seq_len": f * grid_hw[0] * grid_hw[1],
+                             "context_len": context.shape[0], "caption_hash": "0", "source": ""})  # fmt: skip
+        if evict:
+            fd = os.open(root / name, os.O_RDONLY)
+            try:  # fsynced by ShardWriter.close: its clean pages can leave the cache
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    write_seconds = time.perf_counter() - t
+    write_index(root / "index.parquet", index_rows_to_table(rows),
+                {"shards": shards, "text_len": context.shape[0], "text_dim": context.shape[1], "dtype": "float16"})
+    return {"shards": shards, "write_s": write_seconds, "shard_bytes": sum((root / s).stat().st_size for s in shards)}
+
+
 def measure_loading(root: Path, num_samples: int, repeats: int = 3) -> dict:
     import torch
 
     from lightning_adaptiveload.bucketing.policy import DualConstraintPolicy
     from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
-    from lightning_adaptiveload.data.shards import (
-        ShardedLatentDataset,
-        ShardWriter,
-        index_rows_to_table,
-        write_index,
-    )
+    from lightning_adaptiveload.data.shards import ShardedLatentDataset
 
     rng = np.random.default_rng(0)
     latents = rng.standard_normal((16, 21, 60, 104)).astype(np.float16)
     context = rng.standard_normal((512, 4096)).astype(np.float16)
-    rows, shards, per_shard = [], [], 16
-    t = time.perf_counter()
-    for start in range(0, num_samples, per_shard):
-        name = f"shards/shard-{len(shards):06d}.tar"
-        shards.append(name)
-        with ShardWriter(root / name) as w:
-            for i in range(start, min(num_samples, start + per_shard)):
-                where = w.add(f"{i:09d}", latents, context, {"i": i})
-                rows.append({"shard": name, "shard_id": len(shards) - 1, "key": f"{i:09d}", **where, "channels": 16,
-                             "latent_f": 21, "latent_h": 60, "latent_w": 104, "grid_f": 21, "grid_h": 30,
-                             "grid_w": 52, "seq_len": 32760, "context_len": 512, "caption_hash": "0", "source": ""})
-    write_seconds = time.perf_counter() - t
-    write_index(root / "index.parquet", index_rows_to_table(rows), {"shards": shards, "text_len": 512,
-                                                                     "text_dim": 4096, "dtype": "float16"})
+    written = write_corpus(root, [latents] * num_samples, context, grid_hw=(30, 52))
+    write_seconds = written["write_s"]
     out = {"samples": num_samples, "latents": [16, 21, 60, 104], "context": [512, 4096], "stored": "float16",
            "returned": "float32", "write_s": write_seconds,
-           "shard_bytes": sum((root / s).stat().st_size for s in shards)}  # fmt: skip
+           "shard_bytes": written["shard_bytes"]}  # fmt: skip
     for workers in (0, 2):
         runs = []
         for _ in range(repeats):
@@ -180,7 +199,11 @@ def main() -> None:
         return
     results = {"machine": platform.machine(), "python": platform.python_version(), "cpus": os.cpu_count(),
                "load_average_at_start": os.getloadavg(), "policy": POLICY, "num_replicas": 64,
-               "mixture": "wan_mixed_480p_720p", "index": []}
+               "mixture": "wan_mixed_480p_720p",
+               "how": "index: one fresh process per size (python benchmarks/bench_shards.py), wall-clock "
+                      "time.perf_counter() per call, peak RSS = VmHWM of that process (peak_rss_after_* read after "
+                      "each phase); loading: samples/s of one pass through the DataModule's train_dataloader()",
+               "index": []}
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.sizes:
             path = Path(tmp) / f"index_{n}.parquet"

@@ -1,7 +1,7 @@
 """Measure cross-rank load balance of every training step and report it.
 
-Every step, each rank records its step time, forward time, predicted compute, tokens and peak
-memory; the five numbers are all-gathered (one tiny collective per step) and turned into the
+Every step, each rank records its step time, forward time, predicted compute, tokens, peak
+memory, model FLOPs and data wait; the seven numbers are all-gathered (one tiny collective per step) and turned into the
 paper's metrics: compute imbalance rate (CV of predicted per-rank compute), synchronisation overhead
 (CV of per-rank step time), bubble fraction (1 - mean/max) and tokens/s (all ranks' tokens over
 the slowest rank's time).
@@ -15,6 +15,12 @@ set by the shape benchmark) unless one is given, so the logged compute CV measur
 optimised. With the module's ``flops_per_sample(S)`` (see
 :mod:`lightning_adaptiveload.models.protocol`) it also logs model TFLOP/s per GPU and MFU against the
 device's dense bf16 peak.
+
+Data wait is the time from the end of one training batch (``on_train_batch_end``) to the start of
+the next (``on_train_batch_start``): Lightning fetches the next batch from the DataLoader (and
+copies it to the device) in that gap, so a loader that does not keep up shows here. Validation runs
+in the gap are left out; checkpoint writes and logger flushes are not. The first batch of each epoch
+counts no wait (its fetch and the workers' start-up come before the epoch's hooks).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from lightning_adaptiveload.bucketing.metrics import bubble_fraction, compute_im
 from lightning_adaptiveload.bucketing.policy import CostPredictor
 from lightning_adaptiveload.geometry import tokens_of
 
-_FIELDS = ("step_time", "forward_time", "compute", "tokens", "peak_mem", "flops")
+_FIELDS = ("step_time", "forward_time", "compute", "tokens", "peak_mem", "flops", "data_wait")
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by device name, for MFU. Others: pass `peak_tflops`.
 PEAK_BF16_TFLOPS: dict[str, float] = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0,
                                       "L40S": 362.0, "B200": 2250.0}
@@ -68,13 +74,20 @@ def batch_shape_of(pl_module: Any, batch: Any) -> tuple[int, int]:
     return tokens_of(latents, tuple(patch))
 
 
+def _wait_fraction(wait: Any, step_time: Any) -> np.ndarray:
+    """Data wait as a fraction of the wall time of a step (wait + step), 0 where both are 0."""
+    wait, total = np.asarray(wait, dtype=np.float64), np.asarray(wait, dtype=np.float64) + step_time
+    return np.divide(wait, total, out=np.zeros_like(total), where=total > 0)
+
+
 class BalanceMonitor(Callback):
     """Logs per-step step-time CV, compute CV, bubble fraction and tokens/s across ranks.
 
     Logged keys (every ``log_every_n_steps`` optimizer steps): ``balance/step_time_cv``,
     ``balance/forward_time_cv``, ``balance/compute_cv``, ``balance/bubble``, ``balance/tokens_per_s``,
-    ``balance/peak_mem_gb`` (max over ranks) and, when the module has ``flops_per_sample``,
-    ``balance/tflops_per_gpu`` and ``balance/mfu``. At the end of fit, rank 0 prints a balance report
+    ``balance/peak_mem_gb`` (max over ranks), ``train/data_wait_frac`` (the largest over ranks of
+    data wait / (data wait + step time), see the module docstring) and, when the module has
+    ``flops_per_sample``, ``balance/tflops_per_gpu`` and ``balance/mfu``. At the end of fit, rank 0 prints a balance report
     (rich table, one row per rank, plus the run's means over the steps after ``warmup_steps``).
 
     Args:
@@ -134,6 +147,10 @@ class BalanceMonitor(Callback):
         self.last_metrics: dict[str, float] = {}
         self._t0: float | None = None
         self._t_fwd: float | None = None
+        self._t_end: float | None = None  # when the previous batch's bookkeeping ended
+        self._wait = 0.0  # data wait before the current batch
+        self._paused = 0.0  # validation time inside the current gap (not data wait)
+        self._t_val: float | None = None
         self._reset_totals(0)
 
     def _reset_totals(self, world_size: int) -> None:
@@ -166,12 +183,28 @@ class BalanceMonitor(Callback):
             self._active_cost_model = getattr(trainer.datamodule, "cost_model", None)
 
     @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._t_end, self._paused = None, 0.0
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._t_val = time.perf_counter()
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._t_val is not None:
+            self._paused += time.perf_counter() - self._t_val
+            self._t_val = None
+
+    @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         if pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
         self._t_fwd = None
         self._t0 = self._now(pl_module.device)
+        self._wait = 0.0 if self._t_end is None else max(0.0, self._t0 - self._t_end - self._paused)
+        self._paused = 0.0
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -197,18 +230,20 @@ class BalanceMonitor(Callback):
         flops_fn = getattr(pl_module, "flops_per_sample", None)
         flops = float(b) * float(flops_fn(s)) if callable(flops_fn) else 0.0
         local = torch.tensor([step_time, forward_time, self._predicted_compute(b, s), float(b * s), float(peak),
-                              flops], dtype=torch.float64, device=pl_module.device)
+                              flops, self._wait], dtype=torch.float64, device=pl_module.device)
         gathered = trainer.strategy.all_gather(local)
         rows = gathered.reshape(-1, len(_FIELDS)).cpu().numpy()
         self._seen += 1
         self._accumulate(rows, counted=self._seen > self.warmup_steps)
         if (batch_idx + 1) % self.log_every_n_steps == 0:
             pl_module.log_dict(self.last_metrics, on_step=True, on_epoch=False, rank_zero_only=True)
+        # The gap to the next batch starts here: this callback's own gather is not data wait.
+        self._t_end = time.perf_counter()
 
     def _accumulate(self, rows: np.ndarray, counted: bool = True) -> None:
         if self._per_rank_sum.shape[0] != rows.shape[0]:
             self._reset_totals(rows.shape[0])
-        t, fwd, comp, tokens, peak, flops = (rows[:, i] for i in range(len(_FIELDS)))
+        t, fwd, comp, tokens, peak, flops, wait = (rows[:, i] for i in range(len(_FIELDS)))
         max_t = float(t.max())
         metrics = {
             "balance/step_time_cv": float(sync_overhead(t)),
@@ -217,6 +252,7 @@ class BalanceMonitor(Callback):
             "balance/bubble": float(bubble_fraction(t)),
             "balance/tokens_per_s": float(tokens.sum() / max_t) if max_t > 0 else 0.0,
             "balance/peak_mem_gb": float(peak.max() / 2**30),
+            "train/data_wait_frac": float(_wait_fraction(wait, t).max()),
         }
         if flops.sum() > 0 and max_t > 0:
             # Model FLOPs of all ranks over the slowest rank's time, per GPU.
@@ -251,6 +287,8 @@ class BalanceMonitor(Callback):
             if self._peak_tflops:
                 out["mfu"] = out["tflops_per_gpu"] / self._peak_tflops
         out["peak_mem_gb"] = float(self._peak.max() / 2**30) if self._peak.size else 0.0
+        # Time-weighted per rank (total wait over total wall time), the largest over ranks.
+        out["data_wait_frac"] = float(_wait_fraction(self._per_rank_sum[:, 6], self._per_rank_sum[:, 0]).max())
         out["steps"] = float(self._steps)
         return out
 
@@ -267,11 +305,11 @@ class BalanceMonitor(Callback):
         n = self._steps
         skipped = f", after {self.warmup_steps} warm-up steps" if self.warmup_steps else ""
         table = Table(title=f"Balance report ({n} steps{skipped})")
-        for col in ("rank", "mean step s", "mean fwd s", "mean pred. compute", "tokens", "peak GiB"):
+        for col in ("rank", "mean step s", "mean fwd s", "mean pred. compute", "tokens", "peak GiB", "data wait"):
             table.add_column(col, justify="right")
         for r, row in enumerate(self._per_rank_sum):
             table.add_row(str(r), f"{row[0] / n:.4f}", f"{row[1] / n:.4f}", f"{row[2] / n:.4g}",
-                          f"{int(row[3]):,}", f"{self._peak[r] / 2**30:.2f}")
+                          f"{int(row[3]):,}", f"{self._peak[r] / 2**30:.2f}", f"{float(_wait_fraction(row[6], row[0])):.2%}")
         s = self.summary()
         console = Console()
         console.print(table)
@@ -280,5 +318,6 @@ class BalanceMonitor(Callback):
             mfu = f" | {s['tflops_per_gpu']:.3g} model TFLOP/s per GPU" + (f", MFU {s['mfu']:.1%}" if "mfu" in s else "")
         console.print(
             f"step-time CV {s['step_time_cv']:.2%} | forward CV {s['forward_time_cv']:.2%} | "
-            f"compute CV {s['compute_cv']:.2%} | bubble {s['bubble']:.2%} | tokens/s {s['tokens_per_s']:,.0f}{mfu}"
+            f"compute CV {s['compute_cv']:.2%} | bubble {s['bubble']:.2%} | tokens/s {s['tokens_per_s']:,.0f}{mfu} | "
+            f"data wait {s['data_wait_frac']:.2%} of step time"
         )

@@ -374,16 +374,19 @@ class ShardedLatentDataset(Dataset):
                 pa.default_memory_pool().release_unused()
 
     def _read_columns(self, check_shards: bool) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        """Stream the index into compact arrays (36 bytes a row), and each shard's furthest byte needed.
+        """Stream the index into compact arrays (26 bytes a row), and each shard's furthest byte needed.
 
         Streaming by row group keeps the peak near the final arrays instead of the whole Arrow table
-        plus its NumPy copies (10^7 rows: see benchmarks/results/shards_cpu.json).
+        plus its NumPy copies (10^7 rows: see benchmarks/results/shards_cpu.json). Two columns are
+        narrower than the index's while the values allow (widened once, on the first row that needs
+        it): start offsets in tar blocks (uint32, shards up to 2 TiB) and token grids in int16.
         """
         with self._parquet() as pf:
             n = pf.metadata.num_rows
-        cols = {"shard_id": np.empty(n, np.int32), "start": np.empty(n, np.int64),
+        cols = {"shard_id": np.empty(n, np.int32), "start": np.empty(n, np.uint32),
                 "latents_size": np.empty(n, np.int32), "context_start": np.empty(n, np.int32),
-                "context_size": np.empty(n, np.int32), "grids": np.empty((n, 3), np.int32)}  # fmt: skip
+                "context_size": np.empty(n, np.int32), "grids": np.empty((n, 3), np.int16)}  # fmt: skip
+        self._start_unit = tarfile.BLOCKSIZE
         need = np.zeros(len(self._shards), dtype=np.int64)
         pos = 0
         for batch in self._batches(_READ_COLUMNS):
@@ -393,13 +396,21 @@ class ShardedLatentDataset(Dataset):
             context_start = b["context_offset"] - b["latents_offset"]
             if max(int(b["latents_size"].max()), int(context_start.max()), int(b["context_size"].max())) >= 2**31:
                 raise ValueError(f"{self.path}: a sample's members exceed 2 GiB; this reader stores sizes in 32 bits.")
+            start = b["latents_offset"]
+            if self._start_unit > 1 and ((start % self._start_unit).any() or start.max() // self._start_unit >= 2**32):
+                # Not a tar's block-aligned offsets (or a shard past 2 TiB): keep bytes in 64 bits.
+                cols["start"] = cols["start"].astype(np.int64) * self._start_unit
+                self._start_unit = 1
             cols["shard_id"][sl] = b["shard_id"]
-            cols["start"][sl] = b["latents_offset"]
+            cols["start"][sl] = start // self._start_unit
+            grids = np.stack([b["grid_f"], b["grid_h"], b["grid_w"]], axis=1)
+            info = np.iinfo(cols["grids"].dtype)
+            if m and (grids.max() > info.max or grids.min() < info.min):
+                cols["grids"] = cols["grids"].astype(np.int32 if cols["grids"].dtype == np.int16 else np.int64)
+            cols["grids"][sl] = grids
             cols["latents_size"][sl] = b["latents_size"]
             cols["context_start"][sl] = context_start
             cols["context_size"][sl] = b["context_size"]
-            for axis, name in enumerate(("grid_f", "grid_h", "grid_w")):
-                cols["grids"][sl, axis] = b[name]
             if check_shards:
                 np.maximum.at(need, b["shard_id"], _row_end(b))
             pos += m
@@ -457,10 +468,11 @@ class ShardedLatentDataset(Dataset):
         return len(self._start)
 
     def token_grids(self) -> np.ndarray:
-        """Per-sample token grid (f, h, w), int32 ``[N, 3]``, from the index alone.
+        """Per-sample token grid (f, h, w), ``[N, 3]`` int16 (int32 if an axis exceeds 32,767), from the index alone.
 
         A read-only view of the array the dataset keeps, not a copy: at 10^8 samples an int64 copy
-        would cost 2.4 GB on every rank.
+        would cost 2.4 GB on every rank. Multiply its columns in a wider type (``astype(np.int64)``);
+        ``prod`` and ``sum`` widen by themselves.
         """
         view = self._grids.view()
         view.flags.writeable = False
@@ -501,7 +513,7 @@ class ShardedLatentDataset(Dataset):
 
     def _read(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         s = int(self._shard_id[index])
-        start = int(self._start[index])
+        start = int(self._start[index]) * self._start_unit
         length = int(self._context_start[index] + self._context_size[index])
         fh = self._file(s)
         data = bytearray(length)  # writable, so the tensors made from it are too

@@ -322,3 +322,103 @@ def test_count_buckets_matches_a_row_wise_unique(monkeypatch):
     assert counts.tolist() == want_counts.tolist()
     with pytest.raises(ValueError, match=r"Sample 1 has token grid \(0, 2, 2\)"):
         sampler_module.count_buckets(np.array([(1, 2, 2), (0, 2, 2)]))
+
+
+def _reference_plan(s, base, num_replicas, segment):
+    """The epoch plan computed on whole arrays (argsort / lexsort of every batch): the chunked,
+    counting-sort planner must give exactly this."""
+    from lightning_adaptiveload.bucketing.sampler import EpochPlan, batch_costs
+
+    rng = np.random.default_rng([s.seed, s.epoch, segment])
+    bs_of_bucket = s.bucket_batch_sizes
+    if base is None:
+        base = np.arange(s.num_samples, dtype=s._index_dtype)
+        if s.skipped_oversize:
+            base = base[bs_of_bucket[s._bucket_of] > 0]
+    idx = rng.permutation(base) if s.shuffle else base
+    idx = idx[np.argsort(s._bucket_of[idx], kind="stable")]
+    counts = np.bincount(s._bucket_of[idx], minlength=len(bs_of_bucket))
+    bsz = np.maximum(bs_of_bucket, 1)
+    nb = -(-counts // bsz)
+    total = int(nb.sum())
+    batch_bucket = np.repeat(np.arange(len(bs_of_bucket), dtype=np.int32), nb)
+    within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(nb) - nb, nb)
+    first = np.cumsum(counts) - counts
+    batch_start = (first[batch_bucket] + within * bsz[batch_bucket]).astype(s._index_dtype)
+    batch_len = np.minimum(bsz[batch_bucket], counts[batch_bucket] - within * bsz[batch_bucket]).astype(np.int32)
+    cost = batch_costs(batch_len, s.bucket_seq_lens[batch_bucket], s.cost_model, s._cost_exponent())
+    ids = np.arange(total, dtype=s._index_dtype)
+    if s.shuffle:
+        ids = rng.permutation(ids)
+    rem = total % num_replicas
+    dropped = (0, 0)
+    if s.drop_last and rem:
+        drop = ids[np.argsort(batch_len[ids], kind="stable")[:rem]]
+        keep = np.ones(total, dtype=bool)
+        keep[drop] = False
+        ids = ids[keep[ids]]
+        dropped, rem = (rem, int(batch_len[drop].sum())), 0
+    if s.balance == "cost":
+        ids = ids[np.argsort(-cost[ids], kind="stable")]
+    padded = (0, 0)
+    if rem:
+        fewest = np.lexsort((cost[ids], batch_len[ids]))
+        pad = ids[fewest[np.arange(num_replicas - rem) % len(ids)]]
+        ids = np.concatenate([ids, pad])
+        padded = (len(pad), int(batch_len[pad].sum()))
+    steps = ids.reshape(-1, num_replicas)
+    if s.balance == "cost" and s.shuffle:
+        steps = steps[rng.permutation(steps.shape[0])]
+    return EpochPlan(idx, batch_start, batch_len, batch_bucket, cost, steps, *padded, *dropped)
+
+
+class _Affine:
+    def predict(self, b, s):
+        return 0.25 + 1e-3 * np.asarray(b, dtype=np.float64) * np.asarray(s, dtype=np.float64) ** 1.5
+
+
+@pytest.mark.parametrize("chunk", [5, 1 << 22])
+@pytest.mark.parametrize("world, balance, drop_last, shuffle, cost_model", [
+    (7, "cost", False, True, None), (7, "cost", False, True, _Affine()), (64, "cost", False, True, None),
+    (5, "none", False, True, None), (5, "cost", True, True, None), (3, "cost", False, False, None),
+    (600, "cost", False, True, None),  # fewer batches than ranks: every batch padded, some twice
+])  # fmt: skip
+def test_plans_equal_the_whole_array_planner_bit_for_bit(monkeypatch, chunk, world, balance, drop_last, shuffle,
+                                                         cost_model):
+    from lightning_adaptiveload.bucketing import sampler as sampler_module
+
+    monkeypatch.setattr(sampler_module, "_CHUNK", chunk)
+    rng = np.random.default_rng(3)
+    shapes = np.concatenate([_shapes(11, 2500), rng.integers(1, 6, (500, 3))])  # 6 common grids + a tail
+    s = AdaptiveBucketBatchSampler(shapes, POLICY, num_replicas=world, seed=5, balance=balance, drop_last=drop_last,
+                                   shuffle=shuffle, cost_model=cost_model)  # fmt: skip
+    for epoch, base in ((0, None), (1, np.sort(rng.choice(3000, 1700, replace=False)).astype(np.int32))):
+        s.set_epoch(epoch)
+        got, want = s._build_plan(base, world, 0), _reference_plan(s, base, world, 0)
+        for name in ("order", "batch_start", "batch_len", "batch_bucket", "batch_cost", "steps"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert a.dtype == b.dtype and np.array_equal(a, b), name
+        assert (got.padded_batches, got.padded_samples, got.dropped_batches, got.dropped_samples) == (
+            want.padded_batches, want.padded_samples, want.dropped_batches, want.dropped_samples)
+        assert got.padded_batches == (-len(got.batch_len) % world if not drop_last else 0)
+
+
+def test_partial_sorts_equal_full_sorts(monkeypatch):
+    from lightning_adaptiveload.bucketing import sampler as sampler_module
+
+    rng = np.random.default_rng(1)
+    first = rng.integers(0, 4, 5000).astype(np.int32)
+    second = rng.integers(0, 3, 5000).astype(np.float64)  # many exact ties in both keys
+    for k in (1, 2, 37, 4999, 5000, 6000):
+        assert np.array_equal(sampler_module._lex_first(first, second, k), np.lexsort((second, first))[:k])
+    second[::7] = np.nan
+    assert np.array_equal(sampler_module._lex_first(first, second, 40), np.lexsort((second, first))[:40])
+    monkeypatch.setattr(sampler_module, "_CHUNK", 333)
+    ids = rng.permutation(5000).astype(np.int32)
+    cost = rng.integers(0, 50, 5000).astype(np.float64)
+    want = np.lexsort((cost[ids], first[ids]))[:63]
+    assert np.array_equal(sampler_module._fewest_samples(ids, first, cost, 63), want)
+    assert np.array_equal(sampler_module._by_descending_cost(ids, cost), ids[np.argsort(-cost[ids], kind="stable")])
+    many = np.repeat(rng.random(35_000), 2)  # more distinct costs than 16-bit ranks hold: the float sort
+    ids = rng.permutation(70_000).astype(np.int32)
+    assert np.array_equal(sampler_module._by_descending_cost(ids, many), ids[np.argsort(-many[ids], kind="stable")])

@@ -82,7 +82,7 @@ def test_token_grids_come_from_the_index_alone(corpus):
         tar.unlink()
     ds = ShardedLatentDataset(corpus, check_shards=False)
     grids = ds.token_grids()
-    assert grids.dtype == np.int32 and not grids.flags.writeable  # a view of the kept array, not a copy
+    assert grids.dtype == np.int16 and not grids.flags.writeable  # a view of the kept array, not a copy
     assert [tuple(g) for g in ds.token_grids()] == [_sample(i)[0] for i in range(24)]
 
 
@@ -218,3 +218,43 @@ def test_file_handles_are_per_process(corpus):
     ds._pid = -1  # as in a forked worker: the parent's handles are dropped, not shared
     ds[1]
     assert ds._files[0] is not handle
+
+
+def _rewrite_index(index: Path, edit, row_group_size: int = 7) -> None:
+    """Apply ``edit(table) -> table`` to the index, keeping its metadata, in small row groups (so a
+    value that needs a wider column arrives mid-stream)."""
+    table = pq.read_table(index)
+    meta = table.schema.metadata
+    pq.write_table(edit(table).replace_schema_metadata(meta), index, row_group_size=row_group_size)
+
+
+def test_compact_columns_and_widening_on_the_row_that_needs_it(tmp_path):
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    index = write_corpus(tmp_path)
+    ds = ShardedLatentDataset(index)
+    kept = [v for k, v in vars(ds).items() if k.startswith("_") and isinstance(v, np.ndarray)]
+    assert sum(a.nbytes for a in kept) == 26 * len(ds)  # block starts (uint32) and int16 grids
+    assert ds._start.dtype == np.uint32 and ds._start_unit == 512 and ds.token_grids().dtype == np.int16
+
+    # Shard 2 (samples 20-23) moved 7 bytes into its file: not a tar's block offsets any more.
+    tar = tmp_path / "shards" / "shard-000002.tar"
+    tar.write_bytes(b"\0" * 7 + tar.read_bytes())
+
+    def shift(table):
+        moved = pc.equal(table["shard_id"], 2)
+        for col in ("latents_offset", "context_offset", "meta_offset"):
+            table = table.set_column(table.schema.get_field_index(col), col,
+                                     pc.if_else(moved, pc.add(table[col], 7), table[col]))
+        big = pa.array([40_000 if i == 23 else g for i, g in enumerate(table["grid_w"].to_pylist())], pa.int32())
+        return table.set_column(table.schema.get_field_index("grid_w"), "grid_w", big)
+
+    _rewrite_index(index, shift)
+    ds = ShardedLatentDataset(index)
+    assert ds._start.dtype == np.int64 and ds._start_unit == 1
+    grids = ds.token_grids()
+    assert grids.dtype == np.int32 and tuple(grids[23]) == (2, 3, 40_000)
+    assert [tuple(g) for g in grids[:23]] == [_sample(i)[0] for i in range(23)]  # rows before the widening kept
+    for i in range(24):  # every sample still reads back, the moved ones at their new offsets
+        torch.testing.assert_close(ds[i]["latents"], torch.from_numpy(_sample(i)[1]).float())
