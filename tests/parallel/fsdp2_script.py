@@ -53,6 +53,9 @@ class CheckedModule(FlowMatchingModule):
         model = self.model
         self.checks["local_shape"] = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
         self.checks["full_shape"] = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        from torch.distributed.fsdp import FSDPModule
+
+        self.checks["fsdp_units"] = sorted(n for n, m in model.named_modules() if isinstance(m, FSDPModule))
         self.checks["all_sharded"] = all(
             isinstance(p, DTensor) and p.placements == (Shard(0),) for p in model.parameters()
         )
@@ -72,6 +75,12 @@ class CheckedModule(FlowMatchingModule):
         self.checks["init_equal"] = all(
             torch.equal(p.full_tensor(), q) for p, q in zip(meta.parameters(), dense.parameters(), strict=True)
         )
+
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in self.parameters() if p.grad is not None])
+        self.checks.setdefault("clipped_norms", []).append(float(getattr(norm, "full_tensor", lambda: norm)()))
 
 
 class _Record(Callback):

@@ -54,6 +54,13 @@ def _reference_losses(pretrained: Path, ranks: list[dict], steps: int) -> list[l
     return out
 
 
+def _assert_clipped(ranks: list[dict]) -> None:
+    """After Lightning's clipping hook the global gradient norm is the clip value (it bites every step)."""
+    for record in ranks:
+        norms = record["checks"]["clipped_norms"]
+        assert norms and all(abs(n - CLIP) <= 1e-5 * CLIP for n in norms), norms
+
+
 def _losses(ranks: list[dict]) -> list[list[float]]:
     steps = len(ranks[0]["steps"])
     return [[float(r["steps"][i]["loss"]) for r in ranks] for i in range(steps)]
@@ -66,12 +73,15 @@ def test_fsdp2_two_ranks_shards_loads_trains_like_one_process_and_resumes_exactl
         checks = record["checks"]
         assert record["world_size"] == 2
         assert checks["all_sharded"] and checks["pretrained_equal"] and checks["init_equal"]
+        # One unit per block, one per fp32 module, and the root.
+        assert checks["fsdp_units"] == ["", "blocks.0", "blocks.1", "head", "time_embedding", "time_projection"]
         # Each rank holds its rows of every parameter (dim 0 in torch.chunk's split), nothing more.
         for name, shape in checks["full_shape"].items():
             first = -(-shape[0] // 2)
             rows = first if rank == 0 else shape[0] - first
             assert checks["local_shape"][name] == (rows, *shape[1:]), name
 
+    _assert_clipped(full)
     want = _reference_losses(checkpoints["diffusers"], full, 4)
     torch.testing.assert_close(torch.tensor(_losses(full)), torch.tensor(want), rtol=1e-5, atol=0)
 
@@ -94,6 +104,7 @@ def test_hsdp_two_replicas_train_like_one_process(tmp_path, checkpoints):
     # shard_size=1: every rank holds a full replica.
     for record in hsdp:
         assert record["checks"]["local_shape"] == record["checks"]["full_shape"]
+    _assert_clipped(hsdp)
     want = _reference_losses(checkpoints["diffusers"], hsdp, 2)
     torch.testing.assert_close(torch.tensor(_losses(hsdp)), torch.tensor(want), rtol=1e-5, atol=0)
 
