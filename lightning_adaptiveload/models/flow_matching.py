@@ -148,7 +148,9 @@ class FlowMatchingModule(pl.LightningModule):
             under FSDP2 each rank reads only its shards. ``None``: Wan's random init.
         fsdp_param_dtype: dtype of the unsharded parameters under FSDP2 (``"bfloat16"``, or
             ``"float32"``); gradients are reduced in fp32, and the time embedding, its projection
-            and the head keep fp32 parameters, as the reference computes them in fp32.
+            and the head keep fp32 parameters, as the reference computes them in fp32. bf16 needs
+            ``Trainer(precision="bf16-mixed")`` (autocast runs the matmuls); the block parameters,
+            the modulation included, are then bf16 in forward, fp32 in the optimizer.
 
     Timesteps and noise of a training micro-batch come from a ``torch.Generator`` on the batch's
     device seeded by :func:`draw_seed` from (seed, global step, global rank, micro-batch index
@@ -261,6 +263,15 @@ class FlowMatchingModule(pl.LightningModule):
             return
         from lightning_adaptiveload.parallel.fsdp import fsdp_mesh, fully_shard_model, materialize_
 
+        param_dtype = self.hparams.get("fsdp_param_dtype", "bfloat16")
+        precision = str(self.trainer.precision) if self._trainer is not None else None
+        if param_dtype == "bfloat16" and precision not in (None, "bf16-mixed"):
+            # bf16 blocks take the fp32 residual stream and modulation as Wan computes them
+            # (no input casts), so their matmuls need autocast to meet one dtype.
+            raise ValueError(
+                f"`FlowMatchingModule(fsdp_param_dtype='bfloat16')` needs `Trainer(precision='bf16-mixed')`, "
+                f"got precision={precision!r}. Use precision='bf16-mixed', or fsdp_param_dtype='float32'."
+            )
         with torch.device("meta"):
             model = WanModel(self.config)
         self._prepare_blocks(model)
@@ -268,9 +279,11 @@ class FlowMatchingModule(pl.LightningModule):
             model,
             fsdp_mesh(mesh),
             [WanAttentionBlock],
-            param_dtype=_PARAM_DTYPES[self.hparams.get("fsdp_param_dtype", "bfloat16")],
+            param_dtype=_PARAM_DTYPES[param_dtype],
             reduce_dtype=torch.float32,
             fp32_modules=[model.time_embedding, model.time_projection, model.head],
+            # Wan keeps the residual stream and the modulation in fp32 between bf16 matmuls.
+            cast_forward_inputs=False,
         )
         device = self.trainer.strategy.root_device if self._trainer is not None else torch.device(mesh.device_type)
         if pretrained is None:

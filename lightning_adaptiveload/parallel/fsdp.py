@@ -221,6 +221,7 @@ def fully_shard_model(
     reduce_dtype: torch.dtype | None = torch.float32,
     fp32_modules: Sequence[nn.Module] = (),
     reshard_after_forward: bool = True,
+    cast_forward_inputs: bool = True,
 ) -> int:
     """``fully_shard`` every module of ``block_types``, each of ``fp32_modules``, then ``model`` itself.
 
@@ -238,6 +239,9 @@ def fully_shard_model(
             and output head that the reference computes in fp32).
         reshard_after_forward: free each block's full parameters after its forward (re-gathered in
             backward); ``False`` trades memory for one all-gather per block.
+        cast_forward_inputs: cast each unit's floating inputs to ``param_dtype`` (FSDP2's default).
+            ``False`` keeps them as they come, for models that carry an fp32 residual stream and
+            fp32 modulation into bf16 blocks and leave the matmuls to autocast.
 
     Returns:
         The number of block units sharded.
@@ -254,8 +258,8 @@ def fully_shard_model(
             f"{type(model).__name__} has no module of the block types {[t.__name__ for t in block_types]}. "
             "Pass the class of its repeated transformer block."
         )
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype, reduce_dtype, cast_forward_inputs=cast_forward_inputs)
+    fp32 = MixedPrecisionPolicy(torch.float32, torch.float32, cast_forward_inputs=cast_forward_inputs)
     for module in fp32_modules:
         fully_shard(module, mesh=mesh, mp_policy=fp32, reshard_after_forward=reshard_after_forward)
     for block in blocks:
