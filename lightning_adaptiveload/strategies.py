@@ -77,6 +77,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         for name in ("data_parallel_size", "tensor_parallel_size"):
             if name in kwargs:
                 raise TypeError(f"`FSDP2Strategy({name}=...)` is not an argument; the mesh is set by `shard_size`.")
+        # Its type and sign now; whether it divides the world size once the processes start.
         check_shard_size(1 if shard_size is None else shard_size, shard_size)
         super().__init__(**kwargs)
         self.shard_size = shard_size

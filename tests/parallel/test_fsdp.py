@@ -29,8 +29,9 @@ FULL_FP32_14B = 14_288_491_584 * 4
 _MEMORY_PROBE = r"""
 import json, os, sys, tracemalloc
 import torch, torch.distributed as dist
-from lightning_adaptiveload.models.wan import WanAttentionBlock, WanModel
-from lightning_adaptiveload.parallel.fsdp import build_fsdp_mesh, fully_shard_model
+import lightning_adaptiveload.parallel.fsdp as fsdp
+from lightning_adaptiveload.models.flow_matching import FlowMatchingModule
+from lightning_adaptiveload.models.wan import WanModel
 
 def rss(field):
     for line in open("/proc/self/status"):
@@ -38,15 +39,18 @@ def rss(field):
             return int(line.split()[1]) * 1024
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
 dist.init_process_group("gloo", rank=0, world_size=1)
-mesh = build_fsdp_mesh(1, None, "cpu")
+module = FlowMatchingModule("wan2_1_14b", activation_checkpointing=True)
+module._device_mesh = fsdp.build_fsdp_mesh(1, None, "cpu")  # what FSDP2Strategy sets
+# configure_model up to materialisation (which allocates this rank's shards: all of it on one rank).
+materialized = []
+fsdp.materialize_ = lambda model, device, init: materialized.append(str(device))
 WanModel("tiny")  # first-call imports and allocator warm-up are not the build
 before = rss("VmRSS:")
 tracemalloc.start()
-with torch.device("meta"):
-    model = WanModel("wan2_1_14b")
-model.set_gradient_checkpointing(True)
-fully_shard_model(model, mesh, [WanAttentionBlock])
+module.configure_model()
 _, peak = tracemalloc.get_traced_memory()
+model = module.model
+assert materialized == ["cpu"] and len(model.blocks) == 40
 print(json.dumps({"rss_growth": rss("VmHWM:") - before, "tracemalloc_peak": peak,
                   "params": model.num_parameters(), "on_meta": all(p.is_meta for p in model.parameters())}))
 dist.destroy_process_group()
@@ -64,7 +68,8 @@ def test_building_and_sharding_14b_on_meta_uses_under_a_tenth_of_the_fp32_model(
                          timeout=120, check=True)
     probe = json.loads(out.stdout.strip().splitlines()[-1])
     assert probe["params"] == 14_288_491_584 and probe["on_meta"]
-    # Measured: tens of MB of RSS for the Python objects of 40 blocks, far below the 5.7 GB bound.
+    # FlowMatchingModule.configure_model's meta build + fully_shard. Measured: tens of MB of RSS for the
+    # Python objects of 40 blocks, far below the 5.7 GB bound.
     assert probe["rss_growth"] <= 0.10 * FULL_FP32_14B, probe
     assert probe["tracemalloc_peak"] <= 0.10 * FULL_FP32_14B, probe
     assert probe["rss_growth"] < 1 << 30, probe
