@@ -87,13 +87,19 @@ class _Record(Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
         self.steps: list[dict] = []
+        self.start: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # The weights training starts from (after a checkpoint's restore), gathered.
+        self.start = {n: p.full_tensor().detach().clone() for n, p in pl_module.model.named_parameters()}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.steps.append({"step": trainer.global_step - 1, "loss": outputs["loss"].detach().clone(),
                            "latents": batch["latents"].clone(), "context": batch["context"].clone()})
 
     def on_train_end(self, trainer, pl_module) -> None:
-        torch.save({"steps": self.steps, "checks": pl_module.checks, "world_size": trainer.world_size},
+        torch.save({"steps": self.steps, "checks": pl_module.checks, "world_size": trainer.world_size,
+                    "start": self.start},
                    self.out / f"rank{trainer.global_rank}.pt")
 
 
@@ -105,6 +111,7 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=4)
     parser.add_argument("--shard-size", type=int, default=None)
     parser.add_argument("--ckpt", default=None)
+    parser.add_argument("--devices", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -117,7 +124,7 @@ def main() -> None:
     dataset = SyntheticMixedDataset(NUM_SAMPLES, "tiny", text_len=16, text_dim=32, seed=5)
     datamodule = AdaptiveLoadDataModule(dataset, DualConstraintPolicy(4096, 4096 * 64, 2.0), seed=1)
     trainer = Trainer(
-        default_root_dir=str(out), accelerator="cpu", devices=2, strategy=FSDP2Strategy(shard_size=args.shard_size),
+        default_root_dir=str(out), accelerator="cpu", devices=args.devices, strategy=FSDP2Strategy(shard_size=args.shard_size),
         precision="32-true", use_distributed_sampler=False, max_epochs=-1, max_steps=args.max_steps,
         gradient_clip_val=CLIP, logger=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[ModelCheckpoint(dirpath=str(out / "ckpt"), every_n_train_steps=2, save_top_k=-1,

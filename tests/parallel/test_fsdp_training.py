@@ -21,14 +21,14 @@ sys.path.insert(0, str(SCRIPT.parent))
 from fsdp2_script import CLIP, LR, SEED  # noqa: E402
 
 
-def _fit(out: Path, *args: str) -> list[dict]:
+def _fit(out: Path, *args: str, ranks: int = 2) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
     for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
         env.pop(key, None)
     proc = subprocess.run([sys.executable, str(SCRIPT), str(out), *args], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(ranks)]
 
 
 def _reference_losses(pretrained: Path, ranks: list[dict], steps: int) -> list[list[float]]:
@@ -96,6 +96,13 @@ def test_fsdp2_two_ranks_shards_loads_trains_like_one_process_and_resumes_exactl
         for got, ref in zip(resumed[r]["steps"], full[r]["steps"][2:], strict=True):
             assert torch.equal(got["latents"], ref["latents"])
             assert torch.equal(got["loss"], ref["loss"]), (r, got["step"], float(got["loss"]), float(ref["loss"]))
+
+    # The same checkpoint on one rank: DCP reshards it; training starts from the same weights.
+    single = _fit(tmp_path / "single", "--pretrained", str(checkpoints["wan"]), "--layout", "wan",
+                  "--max-steps", "3", "--ckpt", str(ckpt), "--devices", "1", ranks=1)
+    assert single[0]["world_size"] == 1 and [s["step"] for s in single[0]["steps"]] == [2]
+    assert resumed[0]["start"].keys() == single[0]["start"].keys()
+    assert all(torch.equal(single[0]["start"][n], w) for n, w in resumed[0]["start"].items())
 
 
 def test_hsdp_two_replicas_train_like_one_process(tmp_path, checkpoints):
