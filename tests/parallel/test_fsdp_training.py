@@ -111,6 +111,7 @@ def test_hsdp_two_replicas_train_like_one_process(tmp_path, checkpoints):
     # shard_size=1: every rank holds a full replica.
     for record in hsdp:
         assert record["checks"]["local_shape"] == record["checks"]["full_shape"]
+        assert record["checks"]["pretrained_equal"] and record["checks"]["init_equal"]
     _assert_clipped(hsdp)
     want = _reference_losses(checkpoints["diffusers"], hsdp, 2)
     torch.testing.assert_close(torch.tensor(_losses(hsdp)), torch.tensor(want), rtol=1e-5, atol=0)
