@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, Strategy
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
+from typing_extensions import override
+
+from lightning_adaptiveload.parallel.fsdp import build_fsdp_mesh, check_shard_size
 
 
 def auto_strategy() -> str:
@@ -48,3 +51,52 @@ def fsdp_strategy(
         limit_all_gathers=limit_all_gathers,
         **kwargs,
     )
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` with an FSDP (``("shard",)``) or HSDP (``("replicate", "shard")``) mesh.
+
+    ``ModelParallelStrategy`` names its mesh ``("data_parallel", "tensor_parallel")``; HSDP's dims are
+    replicate and shard, and every rank reads its own data (the batch sampler is rank-aware), so this
+    subclass builds the mesh of :func:`~lightning_adaptiveload.parallel.fsdp.build_fsdp_mesh` instead
+    and reports all ranks as data-parallel replicas. The module's ``configure_model`` shards the
+    model over ``self.device_mesh``; checkpoints are distributed-checkpoint directories (one file
+    per rank) unless ``save_distributed_checkpoint=False``.
+
+    Args:
+        shard_size: ranks one model copy is sharded over; ``None`` shards over all ranks (FSDP), the
+            GPUs of a node give HSDP (replicate across nodes). Must divide the world size.
+        **kwargs: ``ModelParallelStrategy`` arguments (``save_distributed_checkpoint``, ``timeout``, ...).
+
+    Raises:
+        ValueError: ``shard_size`` is not a positive integer (at construction) or does not divide
+            the world size (when the processes start, before the model is built).
+    """
+
+    def __init__(self, shard_size: int | None = None, **kwargs: Any) -> None:
+        for name in ("data_parallel_size", "tensor_parallel_size"):
+            if name in kwargs:
+                raise TypeError(f"`FSDP2Strategy({name}=...)` is not an argument; the mesh is set by `shard_size`.")
+        # Its type and sign now; whether it divides the world size once the processes start.
+        check_shard_size(1 if shard_size is None else shard_size, shard_size)
+        super().__init__(**kwargs)
+        self.shard_size = shard_size
+
+    @override
+    def setup_environment(self) -> None:
+        # ModelParallelStrategy.setup_environment with our mesh in place of its (dp, tp) one.
+        self._setup_distributed()
+        device_type = self.root_device.type
+        self._device_mesh = build_fsdp_mesh(self.world_size, self.shard_size, device_type)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+
+def fsdp2_strategy(shard_size: int | None = None, save_distributed_checkpoint: bool = True, **kwargs: Any) -> Strategy:
+    """FSDP2 (``shard_size=None``) or HSDP (``shard_size`` = GPUs per node); see :class:`FSDP2Strategy`."""
+    return FSDP2Strategy(shard_size=shard_size, save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)

@@ -19,7 +19,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("bucketing",),
     ("calibration",),
     ("reporting",),
-    ("data", "models", "modules"),
+    # parallel.fsdp and parallel.pretrained are model-agnostic torch.distributed / safetensors code
+    # that models' configure_model calls (meta build, fully_shard, shard-wise init and loading);
+    # they import nothing of the package above ops, so they sit with models, not above it.
+    ("data", "models", "modules", "parallel.fsdp", "parallel.pretrained"),
     ("callbacks", "integrations", "parallel", "strategies", "factories", "prepare"),
     ("cli", "train"),
 ]

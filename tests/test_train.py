@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hydra import compose, initialize_config_module
+from hydra import compose, initialize_config_dir, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from omegaconf import OmegaConf, open_dict
@@ -33,7 +33,9 @@ def _choices(group: str) -> list[str]:
 
 def _compose(overrides: list[str], tmp_path: Path):
     GlobalHydra.instance().clear()
-    with initialize_config_module(config_module="lightning_adaptiveload.conf", version_base="1.3"):
+    # This checkout's conf/ (the one _choices lists), also where an editable install of another
+    # checkout would resolve `lightning_adaptiveload.conf` elsewhere.
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
     with open_dict(cfg):
         # In-process runs stay on one device: a multi-process launch would re-run pytest itself.
@@ -107,8 +109,8 @@ def test_cost_model_policy_names_a_missing_file(tmp_path):
 @pytest.mark.parametrize("experiment", _choices("experiment"))
 def test_experiments_compose(experiment, tmp_path):
     cfg = _compose([f"experiment={experiment}"], tmp_path)
-    # 1.3B fits every GPU (data parallel); 14B is sharded.
-    want = "ddp_strategy" if experiment == "wan2_1_1_3b_480p" else "fsdp_strategy"
+    # 1.3B fits every GPU (data parallel); 14B is sharded (FSDP2/HSDP).
+    want = ("ddp_strategy",) if experiment == "wan2_1_1_3b_480p" else ("fsdp_strategy", "fsdp2_strategy")
     assert cfg.strategy._target_.endswith(want)
     if experiment == "wan2_1_1_3b_480p":
         assert cfg.model.compile is True and cfg.model.activation_checkpointing == "auto"

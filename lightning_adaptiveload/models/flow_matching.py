@@ -26,6 +26,7 @@ from lightning_adaptiveload.models.wan import (
     checkpointing_mode,
     from_name_or_config,
 )
+from lightning_adaptiveload.models.wan_weights import load_wan_weights_
 
 __all__ = ["FlowMatchingModule", "draw_seed", "rectified_flow_loss", "shift_timesteps", "wan_forward_flops"]
 
@@ -104,6 +105,9 @@ def shift_timesteps(u: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * u / (1 + (shift - 1) * u)
 
 
+_PARAM_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
 def _linear_warmup(step: int, warmup_steps: int) -> float:
     return min(1.0, (step + 1) / warmup_steps)
 
@@ -116,9 +120,14 @@ class FlowMatchingModule(pl.LightningModule):
     ``noise - x0`` with an fp32 MSE; the model sees the timestep ``t · num_train_timesteps``.
     Every batch may have its own (F, H, W).
 
-    The model is built in :meth:`configure_model`, so Lightning's ``FSDPStrategy`` can wrap it;
-    wrap per block with ``auto_wrap_policy={WanAttentionBlock}``. Activation checkpointing runs
-    inside each :class:`~lightning_adaptiveload.models.wan.WanAttentionBlock` (non-reentrant
+    The model is built in :meth:`configure_model`. Under a strategy that sets a device mesh
+    (``lightning_adaptiveload.strategies.fsdp2_strategy`` or Lightning's ``ModelParallelStrategy``) it
+    is built on the meta device, sharded with FSDP2 per :class:`~lightning_adaptiveload.models.wan.WanAttentionBlock`
+    (HSDP on a 2-D mesh) and only each rank's shards are allocated and initialised (equal to the
+    dense init of the same seed) or loaded from ``pretrained``; see ``docs/scale_out.md``.
+    Lightning's FSDP1 ``FSDPStrategy`` wraps the dense model per block
+    (``auto_wrap_policy={WanAttentionBlock}``). Activation checkpointing runs inside each
+    :class:`~lightning_adaptiveload.models.wan.WanAttentionBlock` (non-reentrant
     ``torch.utils.checkpoint``), with and without FSDP and under ``torch.compile``; do not also set the
     strategy's ``activation_checkpointing_policy`` (blocks would be recomputed twice).
 
@@ -146,6 +155,14 @@ class FlowMatchingModule(pl.LightningModule):
         compile: compile every transformer block with ``torch.compile`` (regional compilation;
             :meth:`WanModel.compile_blocks`). The first steps of new shapes compile (the shape
             benchmark's warm-up steps absorb that); dynamic sizes keep recompiles to a few in all.
+        pretrained: Wan 2.1 safetensors weights to start from (a file or a directory, in the original
+            or diffusers' ``WanTransformer3DModel`` layout, sharded files with an index included);
+            under FSDP2 each rank reads only its shards. ``None``: Wan's random init.
+        fsdp_param_dtype: dtype of the unsharded parameters under FSDP2 (``"bfloat16"``, or
+            ``"float32"``); gradients are reduced in fp32, and the time embedding, its projection
+            and the head keep fp32 parameters, as the reference computes them in fp32. bf16 needs
+            ``Trainer(precision="bf16-mixed")`` (autocast runs the matmuls); the block parameters,
+            the modulation included, are then bf16 in forward, fp32 in the optimizer.
 
     Timesteps and noise of a training micro-batch come from a ``torch.Generator`` on the batch's
     device seeded by :func:`draw_seed` from (seed, global step, global rank, micro-batch index
@@ -175,10 +192,22 @@ class FlowMatchingModule(pl.LightningModule):
         activation_checkpointing: bool | str = False,
         seed: int | None = None,
         compile: bool = False,
+        pretrained: str | None = None,
+        fsdp_param_dtype: str = "bfloat16",
     ) -> None:
         super().__init__()
         if not isinstance(compile, bool):
             raise ValueError(f"`FlowMatchingModule(compile={compile!r})` is not valid. Expected true or false.")
+        if fsdp_param_dtype not in _PARAM_DTYPES:
+            raise ValueError(
+                f"`FlowMatchingModule(fsdp_param_dtype={fsdp_param_dtype!r})` is not valid. "
+                f"Expected one of {sorted(_PARAM_DTYPES)}."
+            )
+        if pretrained is not None and not os.path.exists(pretrained):
+            raise FileNotFoundError(
+                f"`FlowMatchingModule(pretrained={pretrained!r})`: no such file or directory. Expected Wan 2.1 "
+                "safetensors weights (a file, or a directory of shards with or without an index)."
+            )
         config = from_name_or_config(model)
         if activation_checkpointing != "auto":
             try:
@@ -236,17 +265,63 @@ class FlowMatchingModule(pl.LightningModule):
 
     @override
     def configure_model(self) -> None:
-        """Build the Wan model once (Lightning calls this inside the strategy's init context)."""
+        """Build the Wan model once (Lightning calls this inside the strategy's init context).
+
+        With a device mesh (FSDP2/HSDP): on the meta device, checkpointing inside each block, each
+        block compiled, then ``fully_shard`` per block and the root (torchtitan's order), then each
+        rank's shards allocated and initialised or loaded. Without one: the dense model.
+        """
         if self.model is not None:
             return
-        self.model = WanModel(self.config)
+        mesh = self.device_mesh
+        pretrained = self.hparams.get("pretrained")
+        if mesh is None:
+            model = WanModel(self.config)
+            self._prepare_blocks(model)
+            if pretrained is not None:
+                load_wan_weights_(model, pretrained)
+            self.model = model
+            return
+        from lightning_adaptiveload.parallel.fsdp import fsdp_mesh, fully_shard_model, materialize_
+
+        param_dtype = self.hparams.get("fsdp_param_dtype", "bfloat16")
+        precision = str(self.trainer.precision) if self._trainer is not None else None
+        if param_dtype == "bfloat16" and precision not in (None, "bf16-mixed"):
+            # bf16 blocks take the fp32 residual stream and modulation as Wan computes them
+            # (no input casts), so their matmuls need autocast to meet one dtype.
+            raise ValueError(
+                f"`FlowMatchingModule(fsdp_param_dtype='bfloat16')` needs `Trainer(precision='bf16-mixed')`, "
+                f"got precision={precision!r}. Use precision='bf16-mixed', or fsdp_param_dtype='float32'."
+            )
+        with torch.device("meta"):
+            model = WanModel(self.config)
+        self._prepare_blocks(model)
+        fully_shard_model(
+            model,
+            fsdp_mesh(mesh),
+            [WanAttentionBlock],
+            param_dtype=_PARAM_DTYPES[param_dtype],
+            reduce_dtype=torch.float32,
+            fp32_modules=[model.time_embedding, model.time_projection, model.head],
+            # Wan keeps the residual stream and the modulation in fp32 between bf16 matmuls.
+            cast_forward_inputs=False,
+        )
+        device = self.trainer.strategy.root_device if self._trainer is not None else torch.device(mesh.device_type)
+        if pretrained is None:
+            materialize_(model, device, model.init_weights)
+        else:
+            model.to_empty(device=device)
+            load_wan_weights_(model, pretrained)
+        self.model = model
+
+    def _prepare_blocks(self, model: WanModel) -> None:
         setting = self.hparams.activation_checkpointing
         # "auto": full until the shape benchmark has measured what fits (the safe mode to start in).
-        self.model.set_gradient_checkpointing("full" if setting == "auto" else setting)
+        model.set_gradient_checkpointing("full" if setting == "auto" else setting)
         self._checkpointing_decided = setting != "auto"
         if self.hparams.get("compile", False):
             # Compilation is lazy: modules swapped in after this (FusedAdaLNCallback) are what gets traced.
-            self.model.compile_blocks()
+            model.compile_blocks()
 
     #: What :meth:`set_checkpointing` accepts, least recomputation (most memory) first.
     checkpointing_modes: tuple[str, ...] = CHECKPOINTING_MODES
