@@ -150,8 +150,12 @@ class SequenceParallelConfig:
             object.__setattr__(self, "target_step_time", float(t))
 
     def usable_degrees(self, world_size: int) -> list[int]:
-        """The configured degrees that tile ``world_size`` ranks (checked; smaller worlds use fewer)."""
-        usable = [k for k in self.degrees if k <= world_size and world_size % k == 0]
+        """The configured degrees a plan on ``world_size`` ranks uses: those not above it, each checked.
+
+        Raises:
+            ValueError: a degree does not divide ``world_size``, or the ranks are not whole nodes.
+        """
+        usable = [k for k in self.degrees if k <= world_size]
         for k in usable:
             check_sp_degree(k, self.num_heads, self.ranks_per_node, world_size)
         return usable

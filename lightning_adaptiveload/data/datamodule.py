@@ -212,7 +212,11 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             describe = getattr(self.dataset, "describe", None)
             if not callable(describe):
                 raise
-            raise OversizeSampleError(err.index, f"{describe(err.index)}: {err}") from None
+            try:
+                where = describe(err.index)
+            except TypeError:  # a describe() of the whole dataset (SyntheticMixedDataset's) names no sample
+                raise err from None
+            raise OversizeSampleError(err.index, f"{where}: {err}") from None
 
     def _sampler_cost_model(self) -> CostPredictor | None:
         """The cost model, extended with the all-to-all time when SP is on and its size is configured."""
