@@ -8,6 +8,7 @@ from lightning_adaptiveload.bucketing.policy import (
     EqualTokenPolicy,
 )
 from lightning_adaptiveload.bucketing.sampler import AdaptiveBucketBatchSampler, EpochPlan
+from lightning_adaptiveload.bucketing.sequence_parallel import SequenceParallelConfig, check_sp_degree
 
 __all__ = [
     "AdaptiveBucketBatchSampler",
@@ -16,7 +17,9 @@ __all__ = [
     "DualConstraintPolicy",
     "EpochPlan",
     "EqualTokenPolicy",
+    "SequenceParallelConfig",
     "bubble_fraction",
+    "check_sp_degree",
     "compute_imbalance_rate",
     "sync_overhead",
 ]

@@ -19,7 +19,10 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_adaptiveload.bucketing.policy import BatchSizePolicy, CostPredictor
 from lightning_adaptiveload.bucketing.sampler import AdaptiveBucketBatchSampler, OversizeSampleError
 from lightning_adaptiveload.calibration.sequence_parallel import SequenceParallelCostModel
-from lightning_adaptiveload.data.sequence_parallel import SequenceParallelCollate, sequence_parallel_from_config
+from lightning_adaptiveload.data.sequence_parallel import (
+    SequenceParallelCollate,
+    sequence_parallel_from_config,
+)
 from lightning_adaptiveload.models.protocol import check_batch_against_plan
 from lightning_adaptiveload.reporting import print_bucket_plan
 

@@ -10,7 +10,10 @@ import torch
 from lightning_adaptiveload.bucketing.policy import DualConstraintPolicy
 from lightning_adaptiveload.data.collate import collate_batch
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
-from lightning_adaptiveload.data.sequence_parallel import SequenceParallelCollate, sequence_parallel_from_config
+from lightning_adaptiveload.data.sequence_parallel import (
+    SequenceParallelCollate,
+    sequence_parallel_from_config,
+)
 from lightning_adaptiveload.data.synthetic import SyntheticMixedDataset
 
 # "tiny" mixture: S = 16, 64, 72, 120; with m_mem=100 the 120-token clips need an SP group.
