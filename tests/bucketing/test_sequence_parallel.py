@@ -161,12 +161,24 @@ def _distinct_batches(per_rank, plan):
     return out
 
 
-@settings(max_examples=20, deadline=None)
+# With this target S=320 trains on pairs (51,200 <= 60,000) and S=640 on groups of 4: two degrees in one plan.
+MIXED_SP = SequenceParallelConfig((2, 4), num_heads=12, ranks_per_node=4, target_step_time=60_000, tolerance=0.0)
+
+
+def test_mixed_degrees_layout():
+    s = _sampler(_shapes(0, 300), 8, sp=MIXED_SP)
+    assert {int(q): int(k) for q, k in zip(s.bucket_seq_lens, s.bucket_degrees, strict=True)} == {
+        4: 1, 12: 1, 16: 1, 18: 1, 120: 1, 144: 1, 320: 2, 640: 4}
+
+
+@settings(max_examples=30, deadline=None)
 @given(st.integers(0, 10_000), st.integers(1, 300), st.sampled_from([2, 4, 8, 12]),
-       st.sampled_from(["cost", "none"]), st.booleans())
-def test_plan_invariants_with_sp_groups(seed, n, world, balance, drop_last):
-    shapes = _shapes(seed, n, GRIDS[:7])  # S=640 needs k=4, absent here so 2-rank worlds can plan all
-    kw = dict(seed=seed, balance=balance, drop_last=drop_last)
+       st.sampled_from(["cost", "none"]), st.booleans(), st.booleans())
+def test_plan_invariants_with_sp_groups(seed, n, world, balance, drop_last, mixed):
+    # S=640 needs k=4: with `mixed` it is in the data (two degrees per plan) and the world has 4+ ranks.
+    shapes = _shapes(seed, n, GRIDS if mixed else GRIDS[:7])
+    world = max(world, 4) if mixed else world
+    kw = dict(seed=seed, balance=balance, drop_last=drop_last, sp=MIXED_SP if mixed else SP)
     per_rank = _all_ranks(shapes, world, **kw)
     ref = _sampler(shapes, world, **kw)
     plan = ref.plan()
