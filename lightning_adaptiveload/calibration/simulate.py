@@ -121,9 +121,9 @@ def simulate(
         epoch_time=float(times.max(axis=1).sum()) if plan.num_steps else 0.0,
         padded_samples=plan.padded_samples, dropped_samples=plan.dropped_samples,
         skipped_samples=sampler.skipped_oversize,
-        sp_buckets=[(int(s), int(b), int(k)) for s, b, k in
-                    zip(sampler.bucket_seq_lens, sampler.bucket_batch_sizes, sampler.bucket_degrees, strict=True)
-                    if k > 1],
+        sp_buckets=sorted((int(s), int(b), int(k)) for s, b, k in
+                          zip(sampler.bucket_seq_lens, sampler.bucket_batch_sizes, sampler.bucket_degrees, strict=True)
+                          if k > 1),
     )
 
 

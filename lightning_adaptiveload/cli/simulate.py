@@ -155,6 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sp.add_argument("--sp-degrees", type=_degrees, default=None,
                     help="SP degrees the planner may give the longest buckets, e.g. 2,4; adds a '+ SP' row")
     sp.add_argument("--ranks-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    sp.add_argument("--sp-target-step-time", type=float, default=None,
+                    help="seconds an SP batch aims at (default: the policy's step budget)")
     sp.add_argument("--num-heads", type=int, default=12, help="attention heads (default 12: Wan 2.1 1.3B)")
     sp.add_argument("--hidden-dim", type=int, default=1536, help="model width (default 1536: Wan 2.1 1.3B)")
     sp.add_argument("--num-layers", type=int, default=30, help="transformer blocks (default 30: Wan 2.1 1.3B)")
@@ -181,7 +183,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sp_config = sp_comm = None
         if args.sp_degrees is not None:
             sp_config = SequenceParallelConfig(args.sp_degrees, num_heads=args.num_heads,
-                                               ranks_per_node=args.ranks_per_node)
+                                               ranks_per_node=args.ranks_per_node,
+                                               target_step_time=args.sp_target_step_time)
             sp_comm = UlyssesCommModel(args.hidden_dim, args.num_layers, bandwidth=args.sp_bandwidth,
                                        latency=args.sp_latency, alltoalls_per_layer=args.sp_alltoalls_per_layer)
         results = compare_policies(shapes, args.world_sizes, dual=dual, m_mem=m_mem, cost_model=cm, seed=args.seed,
