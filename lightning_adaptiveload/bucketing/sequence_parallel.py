@@ -16,9 +16,12 @@ memory budget ``m_mem``, the usable degrees and the cost model, so every rank ma
    parallel included when it fits).
 3. A bucket that no usable degree fits is oversize (the policy's ``oversize`` mode applies).
 
-``target`` is :attr:`SequenceParallelConfig.target_step_time`, else the policy's ``step_budget``
-(``CostModelPolicy``), else the slowest predicted data-parallel batch of a bucket whose policy batch
-holds two or more samples (where the policy's budget, not the one-sample floor, sets the time).
+``target`` is :attr:`SequenceParallelConfig.target_step_time` when set. Otherwise it is the larger
+of the policy's target — its ``step_budget`` (``CostModelPolicy``), else the slowest predicted
+data-parallel batch of a bucket whose policy batch holds two or more samples (where the policy's
+budget, not the one-sample floor, sets the time) — and the *floor*: the longest bucket's fastest
+one-sample unit over every option that fits memory. No step can be shorter than the floor, so
+splitting other buckets below it would only add all-to-all time.
 
 Degrees used together must form a divisibility chain (each divides the next: 2, 4, 8): laying a
 step's SP batches out by descending degree then puts every group at a multiple of its degree, and
@@ -216,6 +219,18 @@ def default_target(dp_batch_sizes: np.ndarray, dp_cost: np.ndarray, step_budget:
     return float(dp_cost[fits].min()) if fits.any() else None
 
 
+def _time_floor(s: np.ndarray, dp_bs: np.ndarray, m_mem: int | None, usable: list[int], cost: CostFn,
+                sp_cost: SPCostFn) -> float:
+    """The largest, over buckets, of the fastest one-sample unit that fits memory (0 if none fits)."""
+    ones = np.ones_like(s)
+    best = np.where(dp_bs > 0, cost(ones, s), np.inf)
+    for k in usable:
+        fits = s <= k * m_mem if m_mem is not None else np.ones(len(s), bool)
+        best = np.minimum(best, np.where(fits, sp_cost(ones, s, k), np.inf))
+    finite = best[np.isfinite(best)]
+    return float(finite.max()) if len(finite) else 0.0
+
+
 def plan_bucket_layout(
     seq_lens: np.ndarray,
     dp_batch_sizes: np.ndarray,
@@ -246,10 +261,10 @@ def plan_bucket_layout(
     if not usable or len(s) == 0:
         return batch_sizes, degrees
     dp_cost = np.where(dp_bs > 0, cost(np.maximum(dp_bs, 1), s), np.inf)
-    target = config.target_step_time or default_target(dp_bs, dp_cost, step_budget)
-    if target is None:  # no bucket fits one GPU: aim at the fastest SP batch of the shortest bucket
-        k_max = usable[-1]
-        target = float(np.min(sp_cost(np.ones_like(s), s, k_max)))
+    target = config.target_step_time
+    if target is None:
+        floor = _time_floor(s, dp_bs, m_mem, usable, cost, sp_cost)
+        target = max(default_target(dp_bs, dp_cost, step_budget) or 0.0, floor)
     limit = target * (1.0 + config.tolerance)
     needs = ~(dp_cost <= limit)
     if not needs.any():

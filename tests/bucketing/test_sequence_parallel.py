@@ -75,28 +75,27 @@ def test_config_validates_degrees():
 
 
 def test_layout_rule_on_a_hand_checked_example():
-    """Unit-cost model t(B, S) = B*S^2, t_sp = t/k: target = slowest DP batch with B >= 2."""
+    """Unit-cost model t(B, S) = B*S^2 and t_sp = t/k; m_mem = 50, S=80 above it."""
     s = np.array([10, 20, 40, 80])
-    dp = np.array([8, 2, 1, 0])  # S=80 above m_mem=50
+    dp = np.array([8, 2, 1, 0])
     cost, sp_cost = sp_cost_function(None, 2.0)
-    bs, deg = plan_bucket_layout(s, dp, m_mem=50, config=SequenceParallelConfig((2, 4), 12, 4, tolerance=0.0),
-                                 world_size=8, cost=cost, sp_cost=sp_cost)
-    # target = max(8*100, 2*400) = 800. S=40: 1600 > 800 -> k=2 gives 1*1600/2 = 800 <= 800 (B capped at
-    # 2*50//40 = 2, and 2*1600/2 = 1600 > 800, so B=1). S=80: needs k>=2 for memory (cap 100//80 = 1):
-    # k=2: 6400/2 = 3200 > 800; k=4: cap 200//80 = 2, B=1: 1600 > 800 -> fastest is k=4, B=1.
-    assert bs.tolist() == [8, 2, 1, 1] and deg.tolist() == [1, 1, 2, 4]
-    # A generous tolerance keeps S=40 data parallel; S=80 still needs SP for memory: smallest k within limit.
-    bs, deg = plan_bucket_layout(s, dp, m_mem=50, config=SequenceParallelConfig((2, 4), 12, 4, tolerance=3.0),
-                                 world_size=8, cost=cost, sp_cost=sp_cost)
-    assert bs.tolist() == [8, 2, 1, 1] and deg.tolist() == [1, 1, 1, 2]
-    # On 2 ranks only k=2 is usable: S=80 gets it (memory), with B = 100//80 = 1.
-    bs, deg = plan_bucket_layout(s, dp, m_mem=50, config=SequenceParallelConfig((2, 4), 12, 4, tolerance=0.0),
-                                 world_size=2, cost=cost, sp_cost=sp_cost)
-    assert deg.tolist() == [1, 1, 2, 2]
-    # On 1 rank S=80 cannot be planned (0, 0).
-    bs, deg = plan_bucket_layout(s, dp, m_mem=50, config=SequenceParallelConfig((2, 4), 12, 4), world_size=1,
-                                 cost=cost, sp_cost=sp_cost)
-    assert bs.tolist() == [8, 2, 1, 0] and deg.tolist() == [1, 1, 1, 0]
+
+    def layout(world, **cfg):
+        bs, deg = plan_bucket_layout(s, dp, m_mem=50, config=SequenceParallelConfig((2, 4), 12, 4, **cfg),
+                                     world_size=world, cost=cost, sp_cost=sp_cost)
+        return bs.tolist(), deg.tolist()
+
+    # Explicit target 800. S=40: 1600 > 800 -> k=2 (cap 2*50//40 = 2; 2*1600/2 > 800 so B=1): 800 <= 800.
+    # S=80 needs k >= 2 for memory: k=2 (cap 1): 3200 > 800; k=4 (cap 2, B=1): 1600 > 800 -> the fastest, k=4.
+    assert layout(8, target_step_time=800.0, tolerance=0.0) == ([8, 2, 1, 1], [1, 1, 2, 4])
+    # Derived target: the policy's 800 (slowest B >= 2 batch: 8*100, 2*400) is below the floor, S=80's fastest
+    # unit 6400/4 = 1600, so target 1600: S=40 (1600) stays data parallel, S=80 takes k=4 (1600 <= 1600).
+    assert layout(8, tolerance=0.0) == ([8, 2, 1, 1], [1, 1, 1, 4])
+    # A generous tolerance (limit 6400): the smallest degree within it, k=2 (3200), wins.
+    assert layout(8, tolerance=3.0) == ([8, 2, 1, 1], [1, 1, 1, 2])
+    # On 2 ranks only k=2 is usable; on 1 rank S=80 cannot be planned (0, 0).
+    assert layout(2, target_step_time=800.0, tolerance=0.0) == ([8, 2, 1, 1], [1, 1, 2, 2])
+    assert layout(1) == ([8, 2, 1, 0], [1, 1, 1, 0])
 
 
 def test_sp_batches_respect_memory_per_rank():
@@ -271,3 +270,16 @@ def test_bucket_table_and_degree_by_grid():
     assert s.degree_by_grid()[(40, 4, 4)] == 4 and s.degree_by_grid()[(1, 2, 2)] == 1
     with pytest.raises(ValueError, match="SequenceParallelConfig"):
         AdaptiveBucketBatchSampler(_shapes(0, 10), POLICY, sequence_parallel={"degrees": [2]})
+
+
+def test_bucket_plan_table_shows_sp_ranks_and_sp_cost():
+    from lightning_adaptiveload.reporting import bucket_plan_table
+
+    s = _sampler(_shapes(0, 300), 8, sp=MIXED_SP)
+    table, _ = bucket_plan_table(s)
+    cols = {c.header: list(c._cells) for c in table.columns}
+    assert cols["SP ranks"] == [str(r["sp_degree"]) for r in s.bucket_table()]
+    # cost/batch relative to the costliest: S=640 on 4 ranks (640^2/4) is the top, S=320 on 2 is half of it.
+    by_s = dict(zip(cols["S"], cols["cost/batch"], strict=True))
+    assert by_s["640"] == "1.00" and by_s["320"] == "0.50"
+    assert "SP ranks" not in {c.header for c in bucket_plan_table(_sampler(_shapes(0, 50, GRIDS[:6]), 8, sp=None))[0].columns}
