@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lightning_adaptiveload.bucketing.sampler import AdaptiveBucketBatchSampler, batch_costs
+from lightning_adaptiveload.bucketing.sequence_parallel import sp_cost_function
 
 
 def _console() -> Console:
@@ -35,18 +36,25 @@ def bucket_plan_table(sampler: AdaptiveBucketBatchSampler) -> tuple[Table, dict[
         sampler.cost_model,
         float(getattr(sampler.policy, "cost_exponent", 2.0)),
     )
+    sp = "sp_degree" in rows[0] if rows else False
+    if sp:  # an SP batch's cost is its time on each of its k ranks
+        _, sp_cost = sp_cost_function(sampler.cost_model, float(getattr(sampler.policy, "cost_exponent", 2.0)))
+        for i, r in enumerate(rows):
+            if r["sp_degree"] > 1:
+                costs[i] = float(sp_cost(np.array([r["batch_size"]]), np.array([r["seq_len"]]), r["sp_degree"])[0])
     top = float(costs.max()) if len(costs) else 1.0
     world = stats["num_replicas"]
     table = Table(
         title=f"Bucket plan: {sampler.policy!r}, balance={sampler.balance!r}, {world} rank(s)",
         title_justify="left",
     )
-    for col in ("token grid (f,h,w)", "S", "samples", "B", "batches", "cost/batch"):
+    for col in ("token grid (f,h,w)", "S", "samples", "B", "batches", "cost/batch") + (("SP ranks",) if sp else ()):
         table.add_column(col, justify="right")
     for r, c in zip(rows, costs, strict=True):
         b = r["batch_size"]
         table.add_row("x".join(map(str, r["grid"])), f"{r['seq_len']:,}", f"{r['samples']:,}",
-                      str(b) if b else "skipped", f"{r['batches']:,}", f"{c / top:.2f}" if b else "-")
+                      str(b) if b else "skipped", f"{r['batches']:,}", f"{c / top:.2f}" if b else "-",
+                      *((str(r["sp_degree"]) if b else "-",) if sp else ()))
     table.caption = (
         f"{stats['num_steps']:,} steps/epoch x {world} rank(s); padded {stats['padded_samples']} "
         f"samples, dropped {stats['dropped_samples']}, skipped oversize {stats['skipped_oversize']}; "

@@ -267,6 +267,31 @@ def _instantiate_dataset(cfg: DictConfig, module: pl.LightningModule) -> Any:
     return _instantiate(cfg, "data.dataset", **overrides)
 
 
+def _sequence_parallel_settings(cfg: DictConfig | None, module: pl.LightningModule) -> dict[str, Any] | None:
+    """``data.sequence_parallel`` as a plain dict with its null model sizes taken from the model, or None when off."""
+    if cfg is None or not cfg.get("enabled", False):
+        return None
+    settings: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+    model_config = getattr(module, "config", None)
+
+    def _from_model(node: dict[str, Any], key: str, attr: str, path: str) -> None:
+        if key in node and node[key] is None:
+            if model_config is None or getattr(model_config, attr, None) is None:
+                raise ConfigError(f"{path} is null but the model has no `config.{attr}`; set it.")
+            value = getattr(model_config, attr)
+            node[key] = list(value) if isinstance(value, tuple) else value
+
+    _from_model(settings, "num_heads", "num_heads", "data.sequence_parallel.num_heads")
+    _from_model(settings, "patch_size", "patch_size", "data.sequence_parallel.patch_size")
+    comm = settings.get("comm")
+    if isinstance(comm, dict):
+        _from_model(comm, "hidden_dim", "dim", "data.sequence_parallel.comm.hidden_dim")
+        _from_model(comm, "num_layers", "num_layers", "data.sequence_parallel.comm.num_layers")
+        if comm.get("alltoalls_per_layer", 0) is None:  # checkpointing recomputes the forward's four
+            comm["alltoalls_per_layer"] = 12 if getattr(module, "activation_checkpointing", False) else 8
+    return settings
+
+
 def _instantiate_callbacks(cfg: DictConfig | None) -> list[pl.Callback]:
     callbacks: list[pl.Callback] = []
     for name, cb_cfg in (cfg or {}).items():
@@ -332,6 +357,8 @@ def build(cfg: DictConfig) -> Run:
     module = _instantiate(cfg.model, "model")
     dataset = _instantiate_dataset(cfg.data.dataset, module)
     policy = _instantiate(cfg.bucketing.policy, "bucketing.policy")
+    sp_settings = _sequence_parallel_settings(cfg.data.get("sequence_parallel"), module)
+    sp = {"sequence_parallel": sp_settings} if sp_settings is not None else {}
     datamodule = _instantiate(
         cfg.data.datamodule,
         "data.datamodule",
@@ -339,6 +366,7 @@ def build(cfg: DictConfig) -> Run:
         policy=policy,
         balance=cfg.bucketing.balance,
         seed=cfg.get("seed") or 0,
+        **sp,
     )
     if hasattr(datamodule, "print_plan"):
         # The DataModule prints the plan it trains, once, when its loader is built.

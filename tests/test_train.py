@@ -233,3 +233,24 @@ def test_console_script_runs(tmp_path):
     # The report has one row per rank of the two-process quickstart.
     report = out[out.index("Balance report") :]
     assert re.search(r"│\s+0 │", report) and re.search(r"│\s+1 │", report)
+
+
+def test_sequence_parallel_degree_is_checked_before_training(tmp_path):
+    cfg = _compose(["data.sequence_parallel.enabled=true", "data.sequence_parallel.degrees=[3]"], tmp_path)
+    # The tiny model has 4 heads and a node 8 ranks: 3 divides neither.
+    with pytest.raises(Exception, match=r"degree=3.*does not divide the heads.*Expected one of \[2, 4\]"):
+        build(cfg)
+
+
+def test_sequence_parallel_takes_the_model_sizes_and_trains(tmp_path):
+    cfg = _compose(["data.sequence_parallel.enabled=true", "data.sequence_parallel.degrees=[2]", "callbacks=none",
+                    "logger=none", "++trainer.fast_dev_run=2"], tmp_path)
+    run = build(cfg)
+    dm = run.datamodule
+    tiny = WAN_CONFIGS["tiny"]
+    assert dm.sp_config.degrees == (2,) and dm.sp_config.num_heads == tiny.num_heads
+    assert (dm.sp_comm.hidden_dim, dm.sp_comm.num_layers, dm.sp_comm.alltoalls_per_layer) == (tiny.dim, tiny.num_layers, 8)
+    assert tuple(dm.sp_patch_size) == tuple(tiny.patch_size)
+    run.trainer.fit(run.module, datamodule=run.datamodule)  # one rank: every batch is data parallel
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["sp_degree"] == 1

@@ -9,6 +9,7 @@ from lightning_adaptiveload.bucketing.policy import (
     FixedBatchPolicy,
 )
 from lightning_adaptiveload.bucketing.sampler import AdaptiveBucketBatchSampler, EpochPlan
+from lightning_adaptiveload.bucketing.sequence_parallel import SequenceParallelConfig, check_sp_degree
 
 __all__ = [
     "AdaptiveBucketBatchSampler",
@@ -18,7 +19,9 @@ __all__ = [
     "EpochPlan",
     "EqualTokenPolicy",
     "FixedBatchPolicy",
+    "SequenceParallelConfig",
     "bubble_fraction",
+    "check_sp_degree",
     "compute_imbalance_rate",
     "sync_overhead",
 ]

@@ -38,6 +38,12 @@ from torch.utils.data import Sampler
 
 from lightning_adaptiveload.bucketing.metrics import summarize_step_loads
 from lightning_adaptiveload.bucketing.policy import BatchSizePolicy, CostPredictor
+from lightning_adaptiveload.bucketing.sequence_parallel import (
+    SequenceParallelConfig,
+    arrange_sp_steps,
+    plan_bucket_layout,
+    sp_cost_function,
+)
 
 _BALANCE_MODES = ("cost", "none")
 # Token-grid axes are packed into one int64 key (21 bits each) so bucketing is a 1-D np.unique
@@ -72,6 +78,9 @@ class EpochPlan:
     padded_samples: int
     dropped_batches: int
     dropped_samples: int
+    #: SP degree of each batch (``None``: every batch is data parallel). An SP batch of degree k
+    #: fills k consecutive columns ``[g·k, (g+1)·k)`` of its step.
+    batch_degree: np.ndarray | None = None
 
     @property
     def num_steps(self) -> int:
@@ -248,7 +257,12 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
             ``"none"``: deal shuffled batches to ranks as they come.
         cost_model: object with a vectorised ``predict(B, S)``; used by ``balance="cost"``. Without
             one, the cost of a batch is ``B * S**p`` with ``p = policy.cost_exponent`` (2.0 by
-            default); a ``CostModelPolicy`` lends its own cost model.
+            default); a ``CostModelPolicy`` lends its own cost model. With sequence parallelism its
+            ``predict_sp(B, S, k)`` (if any) gives an SP batch's time.
+        sequence_parallel: a :class:`~lightning_adaptiveload.bucketing.sequence_parallel.SequenceParallelConfig`
+            to let the longest buckets train on SP groups of k ranks inside a node (see
+            :mod:`lightning_adaptiveload.bucketing.sequence_parallel`); every rank of a group yields the
+            same batch at the same step. ``None`` (default): data parallel only, the plan unchanged.
 
     Raises:
         ValueError: bad arguments, an empty dataset, a grid that is not three positive integers, or
@@ -273,6 +287,7 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
         drop_last: bool = False,
         balance: str = "cost",
         cost_model: CostPredictor | None = None,
+        sequence_parallel: SequenceParallelConfig | None = None,
     ) -> None:
         name = type(self).__name__
         if not callable(getattr(policy, "batch_sizes", None)):
@@ -299,6 +314,12 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
         self.drop_last = bool(drop_last)
         self.balance = balance
         self.cost_model = cost_model if cost_model is not None else getattr(policy, "cost_model", None)
+        if sequence_parallel is not None and not isinstance(sequence_parallel, SequenceParallelConfig):
+            raise ValueError(
+                f"`{name}(sequence_parallel={sequence_parallel!r})` is not valid. Expected a SequenceParallelConfig "
+                "or None."
+            )
+        self.sequence_parallel = sequence_parallel
         self._index_shapes(shapes)
 
         self.epoch = 0
@@ -333,6 +354,10 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
 
     def _set_batch_sizes(self) -> None:
         policy = self.policy
+        self._layouts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        if self.sequence_parallel is not None:
+            self._set_sp_batch_sizes()
+            return
         limit = getattr(policy, "max_seq_len", None)
         over = (self.bucket_seq_lens > limit) if limit is not None else np.zeros(len(self.bucket_seq_lens), bool)
         if over.any() and getattr(policy, "oversize", "error") == "error":
@@ -347,8 +372,51 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
             )
         self.bucket_batch_sizes = np.asarray(policy.batch_sizes(self.bucket_seq_lens), dtype=np.int64)
         self.bucket_batch_sizes[over] = 0
+        self.bucket_degrees = np.ones(len(self.bucket_seq_lens), dtype=np.int64)
         self.skipped_oversize = int(self.bucket_counts[over].sum())
         self._cache = None
+
+    # ------------------------------------------------------------------ sequence parallelism
+    def _set_sp_batch_sizes(self) -> None:
+        limit = getattr(self.policy, "max_seq_len", None)
+        fits = self.bucket_seq_lens <= limit if limit is not None else np.ones(len(self.bucket_seq_lens), bool)
+        self._dp_batch_sizes = np.zeros(len(self.bucket_seq_lens), dtype=np.int64)
+        if fits.any():
+            self._dp_batch_sizes[fits] = self.policy.batch_sizes(self.bucket_seq_lens[fits])
+        self._cache = None
+        bs, deg = self._layout(self.num_replicas)
+        unplanned = bs == 0
+        if unplanned.any() and getattr(self.policy, "oversize", "error") == "error":
+            raise self._unplannable(int(np.flatnonzero(unplanned)[0]), self.num_replicas)
+        self.bucket_batch_sizes, self.bucket_degrees = bs, deg
+        self.skipped_oversize = int(self.bucket_counts[unplanned].sum())
+
+    def _layout(self, num_replicas: int) -> tuple[np.ndarray, np.ndarray]:
+        """Batch size and SP degree per bucket when planning for ``num_replicas`` ranks."""
+        if self.sequence_parallel is None:
+            return self.bucket_batch_sizes, self.bucket_degrees
+        if num_replicas not in self._layouts:
+            cost, sp_cost = sp_cost_function(self.cost_model, self._cost_exponent())
+            limit = getattr(self.policy, "max_seq_len", None)
+            self._layouts[num_replicas] = plan_bucket_layout(
+                self.bucket_seq_lens, self._dp_batch_sizes, m_mem=limit, config=self.sequence_parallel,
+                world_size=num_replicas, cost=cost, sp_cost=sp_cost,
+                step_budget=getattr(self.policy, "step_budget", None))
+        return self._layouts[num_replicas]
+
+    def _unplannable(self, bucket: int, num_replicas: int) -> OversizeSampleError:
+        i = int(np.flatnonzero(self._bucket_of == bucket)[0])
+        cfg = self.sequence_parallel
+        usable = cfg.usable_degrees(num_replicas) if cfg is not None else []
+        return OversizeSampleError(
+            i,
+            f"Sample {i} has token grid {tuple(self.bucket_grids[bucket].tolist())} (S="
+            f"{int(self.bucket_seq_lens[bucket])} tokens), above the memory budget "
+            f"{getattr(self.policy, 'max_seq_len', None)} of {self.policy!r} even split over the sequence-parallel "
+            f"degrees usable on {num_replicas} ranks ({usable or 'none'}; configured {list(cfg.degrees) if cfg else []}). "
+            "Add a larger degree, train on more ranks, raise `m_mem`, crop or remove such samples, or build the "
+            "policy with `oversize='skip'` to leave them out (counted).",
+        )
 
     def set_policy(self, policy: BatchSizePolicy, cost_model: CostPredictor | None = None) -> None:
         """Swap the policy (and optionally the cost model) and rebuild the plan.
@@ -366,6 +434,8 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
         """Use ``cost_model`` for ``balance="cost"`` grouping and plan statistics."""
         self.cost_model = cost_model
         self._cache = None
+        if self.sequence_parallel is not None:  # the SP layout is chosen with the cost model
+            self._set_batch_sizes()
 
     # ------------------------------------------------------------------ planning
     def _cost_exponent(self) -> float:
@@ -374,11 +444,13 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
     def _build_plan(self, base: np.ndarray | None, num_replicas: int, segment: int) -> EpochPlan:
         """Plan the samples ``base`` (sorted indices; ``None``: every eligible sample)."""
         rng = np.random.default_rng([self.seed, self.epoch, segment])
-        bs_of_bucket = self.bucket_batch_sizes
+        bs_of_bucket, degree_of_bucket = self._layout(num_replicas)
         if base is None:
             base = np.arange(self.num_samples, dtype=self._index_dtype)
-            if self.skipped_oversize:
+            if self.skipped_oversize or self.sequence_parallel is not None:
                 base = base[bs_of_bucket[self._bucket_of] > 0]
+        elif self.sequence_parallel is not None and getattr(self.policy, "oversize", "error") == "skip":
+            base = base[bs_of_bucket[self._bucket_of[base]] > 0]
         idx = rng.permutation(base) if self.shuffle else base
         base = None  # the permutation is a copy: free the sorted indices before the sort below
         num_buckets = len(bs_of_bucket)
@@ -403,6 +475,13 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
         ids = np.arange(total, dtype=self._index_dtype)
         if self.shuffle:
             ids = rng.permutation(ids)
+        if self.sequence_parallel is not None:
+            missing = (counts > 0) & (bs_of_bucket == 0)
+            if missing.any():  # a resume under a world size whose degrees cannot hold these samples
+                raise self._unplannable(int(np.flatnonzero(missing)[0]), num_replicas)
+            degree = degree_of_bucket[batch_bucket]
+            if (degree > 1).any():
+                return self._sp_plan(idx, batch_start, batch_len, batch_bucket, cost, degree, ids, num_replicas, rng)
         rem = total % num_replicas
         dropped_batches = dropped_samples = 0
         if self.drop_last and rem:
@@ -429,6 +508,21 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
             steps = steps[rng.permutation(steps.shape[0])]
         return EpochPlan(idx, batch_start, batch_len, batch_bucket, cost, steps,
                      padded_batches, padded_samples, dropped_batches, dropped_samples)
+
+    def _sp_plan(self, idx: np.ndarray, batch_start: np.ndarray, batch_len: np.ndarray, batch_bucket: np.ndarray,
+                 cost: np.ndarray, degree: np.ndarray, ids: np.ndarray, num_replicas: int,
+                 rng: np.random.Generator) -> EpochPlan:
+        """The plan of a segment with SP batches: their cost is ``t_sp``, their layout k columns wide."""
+        _, sp_cost = sp_cost_function(self.cost_model, self._cost_exponent())
+        seq = self.bucket_seq_lens[batch_bucket]
+        for k in np.unique(degree[degree > 1]).tolist():
+            sel = degree == k
+            cost[sel] = sp_cost(batch_len[sel].astype(np.int64), seq[sel], int(k))
+        steps, padded_b, padded_s, dropped_b, dropped_s = arrange_sp_steps(
+            ids, batch_len, cost, degree, num_replicas, drop_last=self.drop_last, balance=self.balance,
+            shuffle=self.shuffle, rng=rng)
+        return EpochPlan(idx, batch_start, batch_len, batch_bucket, cost, steps, padded_b, padded_s, dropped_b,
+                         dropped_s, batch_degree=degree.astype(np.int32))
 
     def _remaining_after(self, plan: EpochPlan, steps_taken: int) -> np.ndarray:
         """Sorted indices planned after step ``steps_taken`` and not seen before it."""
@@ -514,11 +608,14 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
     # ------------------------------------------------------------------ state
     def _settings(self) -> dict[str, Any]:
         cm = self.cost_model
-        return {
+        settings = {
             "policy": self.policy.to_dict(), "balance": self.balance, "shuffle": self.shuffle,
             "drop_last": self.drop_last,
             "cost_model": cm.to_json() if callable(getattr(cm, "to_json", None)) else type(cm).__name__,
         }
+        if self.sequence_parallel is not None:  # absent without SP: older states keep their fingerprint
+            settings["sequence_parallel"] = self.sequence_parallel.to_dict()
+        return settings
 
     def _fingerprint(self) -> str:
         return hashlib.sha1(json.dumps(self._settings(), sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -663,14 +760,24 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
         }
 
     def bucket_table(self) -> list[dict[str, Any]]:
-        """One row per distinct token grid: grid, S, samples, batch size (0: skipped), batches."""
+        """One row per distinct token grid: grid, S, samples, batch size (0: skipped), batches, and with
+        sequence parallelism ``sp_degree`` (ranks per batch; 1: data parallel)."""
         bs = self.bucket_batch_sizes
         nb = np.where(bs > 0, -(-self.bucket_counts // np.maximum(bs, 1)), 0)
-        return [
+        rows = [
             {"grid": tuple(int(v) for v in g), "seq_len": int(s), "samples": int(c), "batch_size": int(b),
              "batches": int(n)}
             for g, s, c, b, n in zip(self.bucket_grids, self.bucket_seq_lens, self.bucket_counts, bs, nb, strict=True)
         ]
+        if self.sequence_parallel is not None:
+            for row, k in zip(rows, self.bucket_degrees.tolist(), strict=True):
+                row["sp_degree"] = int(k)
+        return rows
+
+    def degree_by_grid(self) -> dict[tuple[int, int, int], int]:
+        """Token grid → SP degree of its batches on this sampler's world size (1: data parallel)."""
+        return {tuple(int(v) for v in g): int(k) for g, k in zip(self.bucket_grids, self.bucket_degrees, strict=True)
+                if k > 0}
 
     def report(self) -> str:
         """Human-readable plan summary (counts, padding/drops, predicted compute CV)."""

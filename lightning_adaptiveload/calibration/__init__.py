@@ -28,6 +28,7 @@ from lightning_adaptiveload.calibration.record import (
     load_calibration,
     load_cost_model,
 )
+from lightning_adaptiveload.calibration.sequence_parallel import SequenceParallelCostModel, UlyssesCommModel
 from lightning_adaptiveload.calibration.simulate import SimulationResult, compare_policies, simulate
 
 __all__ = [
@@ -40,8 +41,10 @@ __all__ = [
     "LocalCollectives",
     "Measurement",
     "MemoryModel",
+    "SequenceParallelCostModel",
     "Shape",
     "SimulationResult",
+    "UlyssesCommModel",
     "compare_policies",
     "derive_policy",
     "fit_models",

@@ -14,7 +14,9 @@ import numpy as np
 from lightning_adaptiveload.bucketing.metrics import summarize_step_loads
 from lightning_adaptiveload.bucketing.policy import BatchSizePolicy, CostPredictor, EqualTokenPolicy
 from lightning_adaptiveload.bucketing.sampler import AdaptiveBucketBatchSampler
+from lightning_adaptiveload.bucketing.sequence_parallel import SequenceParallelConfig
 from lightning_adaptiveload.calibration.costmodel import CostModel
+from lightning_adaptiveload.calibration.sequence_parallel import SequenceParallelCostModel, UlyssesCommModel
 from lightning_adaptiveload.geometry import PATCH_SIZE, VAE_STRIDE, pixel_token_grids
 
 # An H200-like full-model step-time model for a Wan 2.1 1.3B-like DiT, t = a + B·(c1·S + c2·S²)
@@ -50,6 +52,10 @@ class SimulationResult:
     epoch_time: float
     padded_samples: int
     dropped_samples: int
+    #: Samples left out as oversize (above one GPU's budget, and above every SP group's with SP).
+    skipped_samples: int = 0
+    #: ``(S, B, k)`` of every bucket planned on an SP group (k > 1); empty without SP.
+    sp_buckets: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -65,7 +71,8 @@ class SimulationResult:
                 "num_steps": self.num_steps, "tokens": self.tokens, "samples": self.samples,
                 "epoch_time": self.epoch_time, "tokens_per_s": self.tokens_per_s,
                 "samples_per_s": self.samples_per_s, "padded_samples": self.padded_samples,
-                "dropped_samples": self.dropped_samples}
+                "dropped_samples": self.dropped_samples, "skipped_samples": self.skipped_samples,
+                "sp_buckets": [list(b) for b in self.sp_buckets]}
 
 
 def simulate(
@@ -78,6 +85,7 @@ def simulate(
     seed: int = 0,
     drop_last: bool = False,
     name: str | None = None,
+    sequence_parallel: SequenceParallelConfig | None = None,
 ) -> SimulationResult:
     """Plan one epoch of ``shapes`` on ``world_size`` ranks and predict per-step, per-rank times.
 
@@ -91,9 +99,14 @@ def simulate(
         seed: plan seed.
         drop_last: as in the sampler.
         name: label for reports.
+        sequence_parallel: SP degrees the planner may give the longest buckets (``None``: data
+            parallel only). An SP batch's time is ``cost_model.predict_sp`` (e.g. a
+            :class:`~lightning_adaptiveload.calibration.sequence_parallel.SequenceParallelCostModel`),
+            counted on each of its k ranks; its tokens count once.
     """
     sampler = AdaptiveBucketBatchSampler(shapes, policy, num_replicas=world_size, rank=0, seed=seed,
-                                         drop_last=drop_last, balance=balance, cost_model=cost_model)
+                                         drop_last=drop_last, balance=balance, cost_model=cost_model,
+                                         sequence_parallel=sequence_parallel)
     plan = sampler.plan()
     times = plan.batch_cost[plan.steps]
     summary = summarize_step_loads(times)
@@ -107,6 +120,10 @@ def simulate(
         num_steps=plan.num_steps, tokens=int((plan.batch_len[used] * seq).sum()), samples=samples,
         epoch_time=float(times.max(axis=1).sum()) if plan.num_steps else 0.0,
         padded_samples=plan.padded_samples, dropped_samples=plan.dropped_samples,
+        skipped_samples=sampler.skipped_oversize,
+        sp_buckets=sorted((int(s), int(b), int(k)) for s, b, k in
+                          zip(sampler.bucket_seq_lens, sampler.bucket_batch_sizes, sampler.bucket_degrees, strict=True)
+                          if k > 1),
     )
 
 
@@ -151,22 +168,37 @@ def compare_policies(
     m_mem: int | None = None,
     cost_model: CostPredictor | None = None,
     seed: int = 0,
+    sequence_parallel: SequenceParallelConfig | None = None,
+    sp_comm: UlyssesCommModel | None = None,
 ) -> list[SimulationResult]:
-    """Equal-token vs dual-constraint (balance ``"none"``) vs dual-constraint + ``balance="cost"``.
+    """Equal-token vs dual-constraint (balance ``"none"``) vs dual-constraint + ``balance="cost"``,
+    and with ``sequence_parallel`` a fourth row, ``dual-constraint + balance + SP``.
 
     Equal-token uses ``max_tokens = m_mem``; ``m_mem`` defaults to ``max(65,520, longest S)``
     (Wan 2.1 1.3B on an H200); ``cost_model`` defaults to :func:`default_cost_model` (H200-like).
     ``dual`` is the dual-constraint policy to compare, e.g. ``derive_policy(...).policy`` (the rule
     the shape benchmark applies). Samples longer than ``m_mem`` are left out of all three
-    configurations so they plan the same data.
+    configurations so they plan the same data; the SP row plans every sample (those above ``m_mem``
+    train on SP groups; ``dual`` must then say ``oversize="skip"`` for any SP cannot hold either).
+    Its SP batches cost ``SequenceParallelCostModel(cost_model, sp_comm)`` (``sp_comm`` required
+    unless ``cost_model`` already has ``predict_sp``).
     """
-    shapes = np.asarray(shapes, dtype=np.int64)
-    seq = shapes.prod(axis=1)
+    all_shapes = np.asarray(shapes, dtype=np.int64)
+    seq = all_shapes.prod(axis=1)
     m_mem = max(65_520, int(seq.max())) if m_mem is None else int(m_mem)
-    shapes = shapes[seq <= m_mem]
-    if len(shapes) == 0:
+    shapes = all_shapes[seq <= m_mem]
+    if len(shapes) == 0 and sequence_parallel is None:
         raise ValueError(f"Every sample is longer than `m_mem={m_mem}` tokens; raise `m_mem`.")
     cm = cost_model if cost_model is not None else default_cost_model()
+    sp_cm: CostPredictor | None = None
+    if sequence_parallel is not None:
+        if callable(getattr(cm, "predict_sp", None)):
+            sp_cm = cm
+        elif sp_comm is None:
+            raise ValueError("`compare_policies(sequence_parallel=...)` needs `sp_comm` (a UlyssesCommModel) for "
+                             "the all-to-all time, or a cost model with `predict_sp`.")
+        else:
+            sp_cm = SequenceParallelCostModel(cm, sp_comm)
     configs = [
         ("equal-token", EqualTokenPolicy(m_mem), "none"),
         ("dual-constraint", dual, "none"),
@@ -174,6 +206,10 @@ def compare_policies(
     ]
     results = []
     for w in world_sizes:
-        for name, policy, balance in configs:
-            results.append(simulate(shapes, policy, int(w), cost_model=cm, balance=balance, seed=seed, name=name))
+        if len(shapes):
+            for name, policy, balance in configs:
+                results.append(simulate(shapes, policy, int(w), cost_model=cm, balance=balance, seed=seed, name=name))
+        if sequence_parallel is not None:
+            results.append(simulate(all_shapes, dual, int(w), cost_model=sp_cm, balance="cost", seed=seed,
+                                    name="dual-constraint + balance + SP", sequence_parallel=sequence_parallel))
     return results

@@ -2,13 +2,15 @@
 
 Compares, side by side for each world size: equal-token batches dealt at random (the common
 baseline), the dual constraint dealt at random (the AdaptiveLoad paper) and the dual constraint with
-cost-balanced steps (``balance="cost"``).
+cost-balanced steps (``balance="cost"``); with ``--sp-degrees`` also that plan with Ulysses
+sequence parallelism for the longest buckets (which also trains samples above ``--m-mem``).
 
 Examples::
 
     adaptiveload-simulate --mixture wan_mixed_480p_720p --world-sizes 8 16 1024
     adaptiveload-simulate --mixture my_mix.yaml --cost-model cost_model.json --m-mem 65520
     adaptiveload-simulate --manifest train.jsonl --world-sizes 64 --json out.json
+    adaptiveload-simulate --mixture wan_mixed_480p_720p --m-mem 65520 --sp-degrees 2,4 --ranks-per-node 8
 """
 
 from __future__ import annotations
@@ -22,8 +24,14 @@ from typing import Any
 import numpy as np
 
 from lightning_adaptiveload.bucketing.policy import DualConstraintPolicy
+from lightning_adaptiveload.bucketing.sequence_parallel import SequenceParallelConfig
 from lightning_adaptiveload.calibration.derive import derive_policy
 from lightning_adaptiveload.calibration.record import load_cost_model
+from lightning_adaptiveload.calibration.sequence_parallel import (
+    H200_NVLINK_BANDWIDTH,
+    H200_NVLINK_LATENCY,
+    UlyssesCommModel,
+)
 from lightning_adaptiveload.calibration.simulate import (
     SimulationResult,
     compare_policies,
@@ -86,7 +94,8 @@ def render(results: Sequence[SimulationResult], title: str) -> None:
     from rich.table import Table
 
     table = Table(title=title)
-    for col in ("ranks", "configuration", "compute CV", "bubble", "steps", "tokens/s", "vs equal-token", "padded"):
+    for col in ("ranks", "configuration", "compute CV", "bubble", "steps", "samples", "tokens/s", "vs equal-token",
+                "padded"):
         table.add_column(col, justify="left" if col == "configuration" else "right", no_wrap=True)
     base: dict[int, float] = {}
     for r in results:
@@ -95,11 +104,15 @@ def render(results: Sequence[SimulationResult], title: str) -> None:
         ref = base.get(r.world_size)
         gain = f"{r.tokens_per_s / ref - 1:+.1%}" if ref else "-"
         table.add_row(str(r.world_size), r.name, f"{r.compute_cv:.1%}", f"{r.bubble:.1%}", str(r.num_steps),
-                      f"{r.tokens_per_s:,.0f}", gain, str(r.padded_samples))
+                      f"{r.samples:,}", f"{r.tokens_per_s:,.0f}", gain, str(r.padded_samples))
     console = Console()
-    # Off a terminal rich assumes 80 columns, too narrow for eight columns.
-    console.width = max(console.width, 110)
+    # Off a terminal rich assumes 80 columns, too narrow for nine columns.
+    console.width = max(console.width, 125)
     console.print(table)
+    for r in results:
+        if r.sp_buckets:
+            layout = ", ".join(f"S={s:,}: k={k}, B={b}" for s, b, k in r.sp_buckets)
+            console.print(f"{r.world_size} ranks, SP buckets: {layout}; skipped oversize: {r.skipped_samples}")
 
 
 def _triple(text: str) -> tuple[int, int, int]:
@@ -107,6 +120,13 @@ def _triple(text: str) -> tuple[int, int, int]:
     if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
         raise argparse.ArgumentTypeError(f"{text!r} is not three positive integers, e.g. 1,2,2")
     return tuple(int(p) for p in parts)  # type: ignore[return-value]
+
+
+def _degrees(text: str) -> tuple[int, ...]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts or not all(p.isdigit() and int(p) > 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of degrees > 1, e.g. 2,4")
+    return tuple(int(p) for p in parts)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -131,6 +151,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "(the budget of highest predicted throughput)")
     parser.add_argument("--p", type=float, default=2.0, help="exponent of S in the compute constraint (with --m-comp)")
     parser.add_argument("--seed", type=int, default=0)
+    sp = parser.add_argument_group("sequence parallelism (Ulysses; with --sp-degrees)")
+    sp.add_argument("--sp-degrees", type=_degrees, default=None,
+                    help="SP degrees the planner may give the longest buckets, e.g. 2,4; adds a '+ SP' row")
+    sp.add_argument("--ranks-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    sp.add_argument("--sp-target-step-time", type=float, default=None,
+                    help="seconds an SP batch aims at (default: the policy's step budget)")
+    sp.add_argument("--num-heads", type=int, default=12, help="attention heads (default 12: Wan 2.1 1.3B)")
+    sp.add_argument("--hidden-dim", type=int, default=1536, help="model width (default 1536: Wan 2.1 1.3B)")
+    sp.add_argument("--num-layers", type=int, default=30, help="transformer blocks (default 30: Wan 2.1 1.3B)")
+    sp.add_argument("--sp-bandwidth", type=float, default=H200_NVLINK_BANDWIDTH,
+                    help="all-to-all bytes/s per rank (default: H200 NVLink per direction, 450e9)")
+    sp.add_argument("--sp-latency", type=float, default=H200_NVLINK_LATENCY,
+                    help="seconds per all-to-all (default 25e-6, an assumption)")
+    sp.add_argument("--sp-alltoalls-per-layer", type=int, default=8,
+                    help="all-to-alls per layer per step (8; 12 with activation checkpointing)")
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     try:
@@ -145,11 +180,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             dual = derive_policy(cm, shapes, m_mem, world_size=max(args.world_sizes), oversize="skip",
                                  seed=args.seed).policy
-        results = compare_policies(shapes, args.world_sizes, dual=dual, m_mem=m_mem, cost_model=cm, seed=args.seed)
+        sp_config = sp_comm = None
+        if args.sp_degrees is not None:
+            sp_config = SequenceParallelConfig(args.sp_degrees, num_heads=args.num_heads,
+                                               ranks_per_node=args.ranks_per_node,
+                                               target_step_time=args.sp_target_step_time)
+            sp_comm = UlyssesCommModel(args.hidden_dim, args.num_layers, bandwidth=args.sp_bandwidth,
+                                       latency=args.sp_latency, alltoalls_per_layer=args.sp_alltoalls_per_layer)
+        results = compare_policies(shapes, args.world_sizes, dual=dual, m_mem=m_mem, cost_model=cm, seed=args.seed,
+                                   sequence_parallel=sp_config, sp_comm=sp_comm)
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
     units = "your cost model" if cost_model is not None else "the default H200-like cost model"
-    print(f"M_mem = {m_mem:,} tokens ({source}); {int((seq > m_mem).sum())} samples above it left out")
+    above = int((seq > m_mem).sum())
+    where = "left out of the data-parallel rows" if sp_config is not None else "left out"
+    print(f"M_mem = {m_mem:,} tokens ({source}); {above} samples above it {where}")
+    if sp_config is not None:
+        print(f"sequence parallelism: degrees {list(sp_config.degrees)}, {args.ranks_per_node} ranks per node; "
+              f"{sp_comm}")
     print(f"equal-token: EqualTokenPolicy(max_tokens={m_mem}); dual constraint: {dual!r}")
     for r in results:
         if r.num_steps < 20:

@@ -18,6 +18,11 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_adaptiveload.bucketing.policy import BatchSizePolicy, CostPredictor
 from lightning_adaptiveload.bucketing.sampler import AdaptiveBucketBatchSampler, OversizeSampleError
+from lightning_adaptiveload.calibration.sequence_parallel import SequenceParallelCostModel
+from lightning_adaptiveload.data.sequence_parallel import (
+    SequenceParallelCollate,
+    sequence_parallel_from_config,
+)
 from lightning_adaptiveload.models.protocol import check_batch_against_plan
 from lightning_adaptiveload.reporting import print_bucket_plan
 
@@ -60,6 +65,10 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         persistent_workers: DataLoader ``persistent_workers`` (with ``num_workers > 0``).
         prefetch_factor: DataLoader ``prefetch_factor`` (with ``num_workers > 0``).
         print_plan: print the bucket plan when the train loader is built.
+        sequence_parallel: per-bucket Ulysses sequence parallelism (``data.sequence_parallel``: see
+            :func:`~lightning_adaptiveload.data.sequence_parallel.sequence_parallel_from_config`), or
+            ``None``. When enabled every training batch carries ``batch["sp_degree"]`` (an int; 1: data
+            parallel) and the k ranks of an SP group get the same batch at the same step.
 
     Attributes:
         policy: the batch-size policy in use.
@@ -89,9 +98,18 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         persistent_workers: bool = False,
         prefetch_factor: int | None = None,
         print_plan: bool = True,
+        sequence_parallel: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         name = type(self).__name__
+        # Checked here, before any training: a degree the heads or the node do not allow is a config error.
+        self.sp_config, self.sp_comm, sp_patch = sequence_parallel_from_config(sequence_parallel)
+        self.sp_patch_size = sp_patch or getattr(dataset, "patch_size", None)
+        if self.sp_config is not None and self.sp_patch_size is None:
+            raise ValueError(
+                f"`{name}(sequence_parallel=...)` needs the model's patch size to tell each batch's SP degree: set "
+                "`data.sequence_parallel.patch_size` (or give the dataset a `patch_size`)."
+            )
         if not callable(getattr(dataset, "token_grids", None)):
             raise ValueError(
                 f"`{name}(dataset={type(dataset).__name__})` is not valid. The dataset must "
@@ -150,14 +168,14 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         self._check_mutable("set_policy")
         self.policy = policy
         if self._sampler is not None:
-            self._sampler.set_policy(policy, self.cost_model)
+            self._sampler.set_policy(policy, self._sampler_cost_model())
 
     def set_cost_model(self, cost_model: CostPredictor | None) -> None:
         """Replace the cost model used to balance steps, before the first training epoch."""
         self._check_mutable("set_cost_model")
         self.cost_model = cost_model
         if self._sampler is not None:
-            self._sampler.set_cost_model(cost_model)
+            self._sampler.set_cost_model(self._sampler_cost_model())
 
     def _check_mutable(self, what: str) -> None:
         if self._drawn:
@@ -197,7 +215,18 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             describe = getattr(self.dataset, "describe", None)
             if not callable(describe):
                 raise
-            raise OversizeSampleError(err.index, f"{describe(err.index)}: {err}") from None
+            try:
+                where = describe(err.index)
+            except TypeError:  # a describe() of the whole dataset (SyntheticMixedDataset's) names no sample
+                raise err from None
+            raise OversizeSampleError(err.index, f"{where}: {err}") from None
+
+    def _sampler_cost_model(self) -> CostPredictor | None:
+        """The cost model, extended with the all-to-all time when SP is on and its size is configured."""
+        cm = self.cost_model
+        if self.sp_comm is not None and cm is not None and not callable(getattr(cm, "predict_sp", None)):
+            return SequenceParallelCostModel(cm, self.sp_comm)
+        return cm
 
     def _new_sampler(self, num_replicas: int, rank: int) -> AdaptiveBucketBatchSampler:
         return AdaptiveBucketBatchSampler(
@@ -209,7 +238,8 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             shuffle=self.shuffle,
             drop_last=self.drop_last,
             balance=self.balance,
-            cost_model=self.cost_model,
+            cost_model=self._sampler_cost_model(),
+            sequence_parallel=self.sp_config,
         )
 
     def bucket_table(self) -> list[dict[str, Any]]:
@@ -231,6 +261,8 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
 
     def setup(self, stage: str) -> None:
         self._check_trainer()
+        if self.sp_config is not None and self.trainer is not None:
+            self.sp_config.usable_degrees(int(self.trainer.world_size))  # ranks that do not tile nodes: error now
         self._printed = False
         if stage == "fit":
             self._planned.clear()
@@ -275,12 +307,15 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         if self.print_plan and not self._printed:
             print_bucket_plan(sampler)
             self._printed = True
+        collate = self.collate_fn or _default_collate()
+        if self.sp_config is not None:
+            collate = SequenceParallelCollate(collate, sampler.degree_by_grid(), self.sp_patch_size)
         return _AdaptiveLoadDataLoader(
             self.dataset,
             batch_sampler=_TrackedBatchSampler(sampler, self),
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
-            collate_fn=self.collate_fn or _default_collate(),
+            collate_fn=collate,
             persistent_workers=self.persistent_workers and self.num_workers > 0,
             prefetch_factor=self.prefetch_factor if self.num_workers > 0 else None,
         )
