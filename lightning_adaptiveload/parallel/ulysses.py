@@ -198,7 +198,9 @@ def _heads_to_seq(x: torch.Tensor, layout: UlyssesLayout) -> torch.Tensor:
         recv, send, output_split_sizes=[s_local] * k, input_split_sizes=list(layout.sizes), group=layout.group
     )
     # Source j sent its head block j of our tokens.
-    return recv.view(k, s_local, b, hk, d).permute(2, 1, 0, 3, 4).reshape(b, s_local, k * hk, d)
+    # Contiguous also when k = 1 (a reshape would return a strided view): the output projection's matmul
+    # then sees the layout the plain path gives it, which keeps degree 1 bitwise equal to no SP.
+    return recv.view(k, s_local, b, hk, d).permute(2, 1, 0, 3, 4).contiguous().view(b, s_local, k * hk, d)
 
 
 class _SeqToHeads(torch.autograd.Function):

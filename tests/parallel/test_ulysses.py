@@ -238,8 +238,11 @@ def _two_ranks(rank: int, world: int, port: int) -> None:
     _check_model_parity(group, (1, 3, 5), 2, checkpointing=True)
 
     # The module: both ranks draw the first rank's timesteps and noise; training_step returns k × loss.
+    class Ranked(FlowMatchingModule):  # the rank a Trainer would give, without a Trainer
+        global_rank = property(lambda self: dist.get_rank())
+
     torch.manual_seed(0)
-    module = FlowMatchingModule(CFG, seed=11)
+    module = Ranked(CFG, seed=11)
     module.configure_model()
     _perturb(module.model)
     module.sequence_parallel = groups
@@ -341,11 +344,13 @@ def test_four_ranks_degree_four_and_a_mixed_ddp_step_match_one_process(tmp_path)
 
 
 @pytest.mark.cuda
-def test_cuda_degree_one_path_is_bitwise_the_plain_path_and_exchange_shapes():
-    """On one GPU (NCCL): the SP code path with degree 1 gives exactly the plain forward and backward,
-    in fp32 and under bf16 autocast, and the exchanges round-trip with the documented shapes."""
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+def test_cuda_degree_one_path_is_exactly_the_plain_path_and_exchange_shapes():
+    """On one GPU (NCCL): the SP code path with degree 1 gives exactly (bitwise) the plain forward and
+    backward in fp32, and the exchanges round-trip with the documented shapes. Under bf16 autocast the
+    two paths hand attention q, k, v with other strides (a view of the all-to-all's buffer), which may
+    pick another attention kernel: there they agree to bf16 rounding."""
     torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     group = UlyssesGroup(dist.group.WORLD, [0])
     layout = group.layout(75)
     x = torch.randn(2, 75, 12, 16, device="cuda", requires_grad=True)
@@ -355,20 +360,24 @@ def test_cuda_degree_one_path_is_bitwise_the_plain_path_and_exchange_shapes():
     assert back.shape == (2, 75, 12, 16) and torch.equal(back, x)
     back.sum().backward()
     assert torch.equal(x.grad, torch.ones_like(x))
+    assert torch.equal(layout.gather(layout.shard(x, 1), 1), x)
 
     model = _model().cuda()
-    for dtype in (None, torch.bfloat16):
-        def run(sp, dtype=dtype):
-            x, t, context, target = (v.cuda() for v in _inputs((3, 6, 10), 2))
-            model.zero_grad(set_to_none=True)
-            with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
-                out = model(x, t, context, sequence_parallel=sp)
-            loss = F.mse_loss(out.float(), target)
-            loss.backward()
-            return out.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
-        ref, got = run(None), run(group)
-        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), dtype
-        different = [n for n, g in ref[2].items() if not torch.equal(got[2][n], g)]
-        assert not different, (dtype, different)
+    def run(sp, dtype):
+        x, t, context, target = (v.cuda() for v in _inputs((3, 6, 10), 2))
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
+            out = model(x, t, context, sequence_parallel=sp)
+        loss = F.mse_loss(out.float(), target)
+        loss.backward()
+        return out.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
+    ref, got = run(None, None), run(group, None)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    different = [n for n, g in ref[2].items() if not torch.equal(got[2][n], g)]
+    assert not different, different
+    ref, got = run(None, torch.bfloat16), run(group, torch.bfloat16)
+    for name, g in [("output", got[0]), ("loss", got[1]), *got[2].items()]:
+        expected = ref[0] if name == "output" else ref[1] if name == "loss" else ref[2][name]
+        torch.testing.assert_close(g, expected, rtol=2e-2, atol=2e-2 * float(expected.abs().max()), msg=name)
