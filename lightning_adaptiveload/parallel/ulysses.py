@@ -163,8 +163,9 @@ class UlyssesLayout:
         return heads_to_seq(x, self)
 
 
-# The exchanges use `dist.all_to_all_single`, which NCCL and gloo (CPU tensors, since PyTorch 1.7)
-# both implement, uneven split sizes included, so the CPU tests run the code path GPUs run. They are
+# The exchanges use `dist.all_to_all_single`, which NCCL and gloo
+# both implement (gloo for CPU tensors since pytorch/pytorch#41424, 2020), uneven split sizes included,
+# so the CPU tests run the code path GPUs run: no test-only substitute is needed. They are
 # our own autograd functions: torch's public autograd wrapper (`torch.distributed.nn.functional.
 # all_to_all_single`) is deprecated, and its replacement lives in the private, still-changing
 # `torch.distributed._functional_collectives` across the torch versions this package supports.

@@ -180,6 +180,19 @@ def test_module_refuses_an_sp_batch_without_groups_and_a_bad_degree():
     assert torch.isfinite(module.compute_loss({**batch, "sp_degree": 1}))
 
 
+def test_diffusers_module_refuses_sp_batches():
+    pytest.importorskip("diffusers")
+    from lightning_adaptiveload.integrations.diffusers import DiffusersWanModule
+
+    module = DiffusersWanModule({"num_attention_heads": 2, "attention_head_dim": 12, "in_channels": 4,
+                                 "out_channels": 4, "text_dim": 8, "ffn_dim": 16, "num_layers": 1}, text_len=3)
+    module.configure_model()
+    batch = module.synthetic_batch(1, (1, 2, 2))
+    with pytest.raises(NotImplementedError, match="sp_degree=2: `DiffusersWanModule` has no sequence-parallel"):
+        module.compute_loss({**batch, "sp_degree": 2})
+    assert torch.isfinite(module.compute_loss({**batch, "sp_degree": 1}))
+
+
 def test_callback_checks_degrees_and_the_module():
     with pytest.raises(ValueError, match="Expected positive integers"):
         UlyssesSequenceParallel(degrees=[2, 0])
