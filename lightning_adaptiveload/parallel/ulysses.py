@@ -204,26 +204,17 @@ def _heads_to_seq(x: torch.Tensor, layout: UlyssesLayout) -> torch.Tensor:
     return recv.view(k, s_local, b, hk, d).permute(2, 1, 0, 3, 4).contiguous().view(b, s_local, k * hk, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, layout: UlyssesLayout) -> torch.Tensor:
-        ctx.layout = layout
-        return _seq_to_heads(x, layout)
+class _AllToAll(torch.autograd.Function):
+    """One exchange (``to_heads``: sequence shard → head shard, else back); its backward is the other."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _heads_to_seq(grad, ctx.layout), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, layout: UlyssesLayout) -> torch.Tensor:
-        ctx.layout = layout
-        return _heads_to_seq(x, layout)
+    def forward(ctx: Any, x: torch.Tensor, layout: UlyssesLayout, to_heads: bool) -> torch.Tensor:
+        ctx.layout, ctx.to_heads = layout, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, layout)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _seq_to_heads(grad, ctx.layout), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return (_heads_to_seq if ctx.to_heads else _seq_to_heads)(grad, ctx.layout), None, None
 
 
 def seq_to_heads(x: torch.Tensor, layout: UlyssesLayout) -> torch.Tensor:
@@ -232,12 +223,12 @@ def seq_to_heads(x: torch.Tensor, layout: UlyssesLayout) -> torch.Tensor:
     Collective over ``layout.group``; differentiable (the backward is :func:`heads_to_seq`). The
     result is a strided view (sequence-major in memory), which attention kernels accept.
     """
-    return _SeqToHeads.apply(x, layout)
+    return _AllToAll.apply(x, layout, True)
 
 
 def heads_to_seq(x: torch.Tensor, layout: UlyssesLayout) -> torch.Tensor:
     """``[B, S, H/k, d]`` head shard → ``[B, S_local, H, d]`` sequence shard; inverse of :func:`seq_to_heads`."""
-    return _HeadsToSeq.apply(x, layout)
+    return _AllToAll.apply(x, layout, False)
 
 
 class _GatherSequence(torch.autograd.Function):
