@@ -73,7 +73,7 @@ class UlyssesSequenceParallel(Callback):
             )
         heads, per_node, world = _num_heads(pl_module), trainer.num_devices, trainer.world_size
         if self.degrees is None:
-            degrees = [k for k in allowed_sp_degrees(heads, per_node, world) if k > 1]
+            degrees = allowed_sp_degrees(heads, per_node)
         else:
             degrees = [check_sp_degree(k, heads, per_node, world) for k in self.degrees]
         if self.groups is None and any(k > 1 for k in degrees):

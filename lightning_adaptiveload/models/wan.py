@@ -361,8 +361,10 @@ class WanAttentionBlock(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         sequence_parallel: Any | None = None,
     ) -> torch.Tensor:
-        """Args: ``x [B, S, D]``, ``e0 [B, 6, D]`` fp32, ``context [B, L, D]``, ``rope`` (cos, sin) ``[S, hd/2]``;
-        with ``sequence_parallel`` (a layout, see :meth:`WanModel.forward`) ``x`` and ``rope`` are this rank's shard."""
+        """Args: ``x [B, S, D]``, ``e0 [B, 6, D]`` fp32, ``context [B, L, D]``, ``rope`` (cos, sin) ``[S, hd/2]``.
+
+        With ``sequence_parallel`` (the layout of :meth:`WanModel.forward`), ``x`` and ``rope`` are this
+        rank's shard of the sequence."""
         if self.gradient_checkpointing and torch.is_grad_enabled():
             # Inside the block so that an FSDP unit wrapping it unshards once around the recompute.
             return checkpoint(self._forward, x, e0, context, rope, sequence_parallel, use_reentrant=False)
@@ -382,7 +384,8 @@ class WanAttentionBlock(nn.Module):
         ).chunk(6, dim=1)
         # Residual updates are plain tensor ops (autocast leaves them alone): promoting with the
         # fp32 gate keeps the residual stream in fp32 from block 0 on, as in Wan.
-        x = x + self.self_attn(self.norm1(x, scale_sa, shift_sa), rope=rope, sequence_parallel=sequence_parallel) * gate_sa
+        y = self.self_attn(self.norm1(x, scale_sa, shift_sa), rope=rope, sequence_parallel=sequence_parallel)
+        x = x + y * gate_sa
         x = x + self.cross_attn(self.norm3(x), context=context)
         x = x + self.ffn(self.norm2(x, scale_ff, shift_ff)) * gate_ff
         return x

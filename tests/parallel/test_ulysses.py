@@ -114,25 +114,34 @@ def _check_model_parity(group: UlyssesGroup, grid, batch_size: int, checkpointin
 
 
 def test_allowed_degrees_divide_heads_and_node():
-    assert allowed_sp_degrees(12, 8, 16) == (1, 2, 4)  # Wan 1.3B on 8-GPU nodes
-    assert allowed_sp_degrees(12, 12, 24) == (1, 2, 3, 4, 6, 12)
-    assert allowed_sp_degrees(40, 8, 64) == (1, 2, 4, 8)  # Wan 14B on 8-GPU nodes
-    assert allowed_sp_degrees(40, 10, 10) == (1, 2, 5, 10)
+    assert allowed_sp_degrees(12, 8) == [2, 4]  # Wan 1.3B on 8-GPU nodes
+    assert allowed_sp_degrees(12, 12) == [2, 3, 4, 6, 12]
+    assert allowed_sp_degrees(40, 8) == [2, 4, 8]  # Wan 14B on 8-GPU nodes
+    assert allowed_sp_degrees(40, 10) == [2, 5, 10]
     assert check_sp_degree(4, 40, 8, 8) == 4 and check_sp_degree(1, 12, 1, 1) == 1
+    assert check_sp_degree(2, 12, 8, 2) == 2  # two ranks of an 8-rank node
 
 
-@pytest.mark.parametrize("degree", [3, 5, 16, 0, -2, 2.0, True])
-def test_bad_degree_names_degree_heads_node_and_allowed(degree):
+@pytest.mark.parametrize("degree, why", [(3, "the ranks of a node"), (5, "the heads"), (16, "the heads")])
+def test_bad_degree_names_degree_heads_node_and_allowed(degree, why):
     with pytest.raises(ValueError) as err:
         check_sp_degree(degree, 12, 8, 16)
     msg = str(err.value)
-    assert f"degree {degree!r}" in msg and "12 attention heads" in msg and "nodes of 8 ranks" in msg
-    assert "Allowed degrees: [1, 2, 4]" in msg
+    assert f"check_sp_degree(degree={degree})` is not valid: {degree} does not divide {why}" in msg
+    assert "(num_heads=12, ranks_per_node=8)" in msg and "Expected one of [2, 4]" in msg
 
 
-def test_world_size_must_be_whole_nodes():
-    with pytest.raises(ValueError, match="multiple of the ranks per node"):
-        allowed_sp_degrees(12, 8, 12)
+@pytest.mark.parametrize("degree", [0, -2, 2.0, True])
+def test_degree_must_be_a_positive_int(degree):
+    with pytest.raises(ValueError, match=rf"`check_sp_degree\(degree={degree!r}\)` is not valid. Expected a positive"):
+        check_sp_degree(degree, 12, 8, 16)
+
+
+def test_world_must_be_whole_groups_on_whole_nodes():
+    with pytest.raises(ValueError, match="12 ranks are not whole nodes of ranks_per_node=8, so a group could cross a node"):
+        check_sp_degree(2, 12, 8, 12)
+    with pytest.raises(ValueError, match="6 ranks do not split into groups of 4"):
+        check_sp_degree(4, 12, 8, 6)
     with pytest.raises(ValueError, match="num_heads=0"):
         check_sp_degree(2, 0, 8, 8)
 
@@ -201,7 +210,7 @@ def test_callback_checks_degrees_and_the_module():
         num_devices, world_size = 1, 1
 
     module = FlowMatchingModule(CFG)
-    with pytest.raises(ValueError, match=r"degree 2 is not valid .* 4 attention heads on nodes of 1 ranks"):
+    with pytest.raises(ValueError, match=r"degree=2\)` is not valid: 2 does not divide the ranks of a node"):
         UlyssesSequenceParallel(degrees=[2]).setup(Trainer1(), module, "fit")
     # Nothing to create on one rank: the module gets no groups, and an SP batch would be refused.
     UlyssesSequenceParallel().setup(Trainer1(), module, "fit")
