@@ -366,6 +366,11 @@ class DiffusersWanModule(pl.LightningModule):
 
     def compute_loss(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Rectified-flow loss (fp32 scalar) of a batch with ``latents [B,C,F,H,W]`` and ``context [B,L,D]``."""
+        if batch.get("sp_degree", 1) != 1:
+            raise NotImplementedError(
+                f"A batch has sp_degree={batch['sp_degree']!r}: `DiffusersWanModule` has no sequence-parallel "
+                "path. Plan data-parallel batches only (sp_degree 1), or train FlowMatchingModule."
+            )
         return rectified_flow_loss(self, batch, self.hparams.timestep_shift, self.hparams.num_train_timesteps)
 
     def batch_shape(self, batch: Mapping[str, torch.Tensor]) -> tuple[int, int]:

@@ -172,6 +172,15 @@ class FlowMatchingModule(pl.LightningModule):
     :meth:`compute_loss` called outside ``training_step`` (profiling, evaluation) uses a separate
     stream unless it is given a ``generator``, so it never consumes or replays a training draw.
 
+    Sequence parallelism: a batch with ``batch["sp_degree"] = k > 1`` is processed by the k ranks
+    ``[g·k, (g+1)·k)`` that all received it, through the groups in :attr:`sequence_parallel` (set
+    by the ``UlyssesSequenceParallel`` callback, or assign a
+    :class:`~lightning_adaptiveload.parallel.ulysses.UlyssesGroups` yourself). The k ranks draw the
+    timesteps and noise of the group's first rank, check that they hold the same batch, and each
+    return k × the batch's loss, so that data parallelism's average over all W ranks weighs the
+    batch k/W: the step's gradient is the one of a run in which each of the k ranks trained the
+    batch alone (docs/sequence_parallel.md). ``train/loss`` logs the unscaled loss.
+
     Example::
 
         module = FlowMatchingModule("tiny")
@@ -262,6 +271,10 @@ class FlowMatchingModule(pl.LightningModule):
         # one optimizer step under gradient accumulation.
         self._micro_batch: tuple[int, int] = (-1, 0)
         self._checkpointing_decided = activation_checkpointing != "auto"
+        # Duck-typed: `.group(k)` returns the group a `WanModel.forward(sequence_parallel=...)` takes,
+        # with `.degree`, `.first_rank` and `.check_identical(tensor, what)`. Process groups come from
+        # a higher layer (parallel/), so they are handed in rather than created here.
+        self.sequence_parallel: Any | None = None
 
     @override
     def configure_model(self) -> None:
@@ -409,10 +422,53 @@ class FlowMatchingModule(pl.LightningModule):
         so calling it (profiling) neither consumes nor disturbs any training draw or the global RNG.
         """
         model = self._require_model()
+        group = self.sequence_parallel_group(batch)
         if generator is None:
-            generator = self.noise_generator(batch["latents"].device, stream=OUTSIDE_STREAM)
+            rank = None if group is None else group.first_rank
+            generator = self.noise_generator(batch["latents"].device, rank=rank, stream=OUTSIDE_STREAM)
+        predict = model if group is None else functools.partial(model, sequence_parallel=group)
         hp = self.hparams
-        return rectified_flow_loss(model, batch, hp.timestep_shift, hp.num_train_timesteps, generator)
+        return rectified_flow_loss(predict, batch, hp.timestep_shift, hp.num_train_timesteps, generator)
+
+    def sequence_parallel_group(self, batch: Mapping[str, Any]) -> Any | None:
+        """The sequence-parallel group of a batch with ``batch["sp_degree"]`` k > 1; ``None`` for k = 1.
+
+        Raises:
+            ValueError: ``sp_degree`` is not a positive int.
+            RuntimeError: k > 1 and :attr:`sequence_parallel` is not set.
+        """
+        degree = batch.get("sp_degree", 1) if isinstance(batch, Mapping) else 1
+        if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+            raise ValueError(
+                f"`batch['sp_degree']={degree!r}` is not valid. Expected a positive int (1: data parallel)."
+            )
+        if degree == 1:
+            return None
+        if self.sequence_parallel is None:
+            raise RuntimeError(
+                f"A batch has sp_degree={degree}, but `{type(self).__name__}.sequence_parallel` is not set. Add "
+                "`lightning_adaptiveload.callbacks.sequence_parallel.UlyssesSequenceParallel` to the Trainer's "
+                "callbacks, or set `module.sequence_parallel = UlyssesGroups(degrees, num_heads, ranks_per_node)` "
+                "(lightning_adaptiveload.parallel.ulysses) on every rank before the first batch."
+            )
+        return self.sequence_parallel.group(degree)
+
+    @staticmethod
+    def batch_fingerprint(batch: Mapping[str, Any]) -> torch.Tensor:
+        """Shape, fp64 sums of ``latents`` and ``context``, and two sums of ``index``: equal on the ranks
+        of a sequence-parallel group when they hold the same batch (cheap: no copy of the latents)."""
+        latents, context = batch["latents"], batch["context"]
+        index = batch.get("index")
+        index = torch.zeros(1, device=latents.device) if index is None else index.to(torch.float64)
+        weights = torch.arange(1, index.numel() + 1, dtype=torch.float64, device=index.device)
+        sums = torch.stack([
+            torch.sum(latents, dtype=torch.float64),
+            torch.sum(context, dtype=torch.float64),
+            index.sum(),
+            (index.reshape(-1) * weights).sum(),
+        ])
+        shape = torch.tensor(latents.shape, dtype=torch.float64, device=latents.device)
+        return torch.cat([shape, sums])
 
     def batch_shape(self, batch: Mapping[str, torch.Tensor]) -> tuple[int, int]:
         """``(B, S)`` of a batch: samples, and tokens per sample after patchify of ``latents [B,C,F,H,W]``."""
@@ -473,20 +529,30 @@ class FlowMatchingModule(pl.LightningModule):
     def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         start = perf_counter()
         samples = int(batch["latents"].shape[0])
+        group = self.sequence_parallel_group(batch)
+        degree = 1 if group is None else group.degree
+        if group is not None:
+            group.check_identical(
+                self.batch_fingerprint(batch), "latents shape, latents and context sums, index sums"
+            )
         if self._last_step_start is not None:
             elapsed = start - self._last_step_start
             self.log("train/tokens_per_s", self._last_step_tokens / elapsed, batch_size=samples)
             self.log("train/samples_per_s", self._last_step_samples / elapsed, batch_size=samples)
         self._last_step_start = start
-        self._last_step_samples = samples
-        self._last_step_tokens = self.tokens_in_batch(batch)
+        # A rank of a sequence-parallel group processes 1/k of the batch's tokens.
+        self._last_step_samples = samples / degree
+        self._last_step_tokens = self.tokens_in_batch(batch) / degree
         step, index = self._micro_batch
         index = index + 1 if step == self.global_step else 0
         self._micro_batch = (self.global_step, index)
-        generator = self.noise_generator(batch["latents"].device, micro_batch=index)
+        rank = None if group is None else group.first_rank
+        generator = self.noise_generator(batch["latents"].device, rank=rank, micro_batch=index)
         loss = self.compute_loss(batch, generator=generator)
         self.log("train/loss", loss, prog_bar=True, batch_size=samples)
-        return loss
+        # The gradients of a group's k ranks sum to the gradient of `loss`; the data-parallel average
+        # divides by all W ranks, so k × gives the batch the weight k/W of k ranks (see the class doc).
+        return loss * degree if degree > 1 else loss
 
     @override
     def configure_gradient_clipping(

@@ -17,6 +17,9 @@ Differences from the reference code, all on purpose:
   angles computed in fp64 so positions up to a few thousand lose no precision.
 * Every norm + modulate site is an :class:`~lightning_adaptiveload.modules.adaln.AdaLayerNorm`,
   so a callback can swap in a fused kernel.
+* Sequence parallelism (Ulysses) is an argument of :meth:`WanModel.forward`, with the process
+  groups passed in as a duck-typed object (docs/sequence_parallel.md); a length the degree does
+  not divide is split unevenly rather than padded, so the result is exact.
 
 Exact parameter counts (``WanModel(config).num_parameters()``): ``wan2_1_1_3b`` 1,418,996,800;
 ``wan2_1_14b`` 14,288,491,584. With D = dim, F = ffn_dim, T = text_dim, P = prod(patch_size):
@@ -337,7 +340,10 @@ class WanSelfAttention(nn.Module):
         x: torch.Tensor,
         context: torch.Tensor | None = None,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        sequence_parallel: Any | None = None,
     ) -> torch.Tensor:
+        """``sequence_parallel``: self-attention only; ``x`` is this rank's token shard and the object
+        (a :meth:`WanModel.forward` layout) trades it for a head shard of the full sequence and back."""
         b, n, d = x.shape[0], self.num_heads, self.head_dim
         kv = x if context is None else context
         q = self.norm_q(self.q(x)).view(b, -1, n, d)
@@ -350,8 +356,14 @@ class WanSelfAttention(nn.Module):
             k = rope_apply(k, *rope).to(v.dtype)
         else:
             q, k = q.to(v.dtype), k.to(v.dtype)
+        if sequence_parallel is not None:
+            # One exchange for q, k and v (stacked on the batch dim) instead of three.
+            q, k, v = sequence_parallel.seq_to_heads(torch.cat([q, k, v])).chunk(3)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return self.o(out.transpose(1, 2).flatten(2))
+        out = out.transpose(1, 2)
+        if sequence_parallel is not None:
+            out = sequence_parallel.heads_to_seq(out)
+        return self.o(out.flatten(2))
 
 
 class WanAttentionBlock(nn.Module):
@@ -396,17 +408,20 @@ class WanAttentionBlock(nn.Module):
         e0: torch.Tensor,
         context: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
+        sequence_parallel: Any | None = None,
     ) -> torch.Tensor:
-        """Args: ``x [B, S, D]``, ``e0 [B, 6, D]`` fp32, ``context [B, L, D]``, ``rope`` (cos, sin) ``[S, hd/2]``."""
+        """Args: ``x [B, S, D]``, ``e0 [B, 6, D]`` fp32, ``context [B, L, D]``, ``rope`` (cos, sin) ``[S, hd/2]``.
+
+        With ``sequence_parallel`` (the layout of :meth:`WanModel.forward`), ``x`` and ``rope`` are this
+        rank's shard of the sequence."""
         if self.checkpointing != "none" and torch.is_grad_enabled():
             # Inside the block so that an FSDP unit wrapping it unshards once around the recompute,
             # and a compiled block compiles the checkpoint with it (the partitioner honours the policy).
             if self.checkpointing == "selective":
-                return checkpoint(
-                    self._forward, x, e0, context, rope, use_reentrant=False, context_fn=_keep_attention_outputs
-                )
-            return checkpoint(self._forward, x, e0, context, rope, use_reentrant=False)
-        return self._forward(x, e0, context, rope)
+                return checkpoint(self._forward, x, e0, context, rope, sequence_parallel, use_reentrant=False,
+                                  context_fn=_keep_attention_outputs)
+            return checkpoint(self._forward, x, e0, context, rope, sequence_parallel, use_reentrant=False)
+        return self._forward(x, e0, context, rope, sequence_parallel)
 
     @property
     def gradient_checkpointing(self) -> bool:
@@ -419,6 +434,7 @@ class WanAttentionBlock(nn.Module):
         e0: torch.Tensor,
         context: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
+        sequence_parallel: Any | None = None,
     ) -> torch.Tensor:
         # Modulation in fp32; chunk gives six strided [B, 1, D] views, no copies.
         shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = (
@@ -426,7 +442,8 @@ class WanAttentionBlock(nn.Module):
         ).chunk(6, dim=1)
         # Residual updates are plain tensor ops (autocast leaves them alone): promoting with the
         # fp32 gate keeps the residual stream in fp32 from block 0 on, as in Wan.
-        x = x + self.self_attn(self.norm1(x, scale_sa, shift_sa), rope=rope) * gate_sa
+        y = self.self_attn(self.norm1(x, scale_sa, shift_sa), rope=rope, sequence_parallel=sequence_parallel)
+        x = x + y * gate_sa
         x = x + self.cross_attn(self.norm3(x), context=context)
         x = x + self.ffn(self.norm2(x, scale_ff, shift_ff)) * gate_ff
         return x
@@ -553,7 +570,13 @@ class WanModel(nn.Module):
             )
         return tuple(s // p for s, p in zip(latent_shape, self.patch_size, strict=True))  # type: ignore[return-value]
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        t: torch.Tensor,
+        context: torch.Tensor,
+        sequence_parallel: Any | None = None,
+    ) -> torch.Tensor:
         """Predict the flow velocity.
 
         Args:
@@ -561,9 +584,17 @@ class WanModel(nn.Module):
             t: timesteps ``[B]`` in [0, 1000] (a scalar is broadcast).
             context: text features ``[B, L, text_dim]`` with ``L <= text_len`` (zero-padded to
                 ``text_len`` as Wan does; the padding passes through the text MLP's biases).
+            sequence_parallel: run sequence-parallel over a group of ranks that all call this with the
+                same inputs (e.g. :class:`lightning_adaptiveload.parallel.ulysses.UlyssesGroup`). A
+                duck type: ``sequence_parallel.layout(S)`` returns an object with ``shard(x, dim)``
+                (this rank's tokens of a replicated tensor), ``gather(x, dim)`` (all ranks' shards,
+                concatenated), ``seq_to_heads(x)`` (``[B, S_local, H, d]`` → ``[B, S, H/k, d]``) and
+                ``heads_to_seq(x)`` (its inverse). Tokens and RoPE angles are sharded after the
+                patch embedding, self-attention exchanges through the last two, cross-attention
+                and the FFN run on the local tokens, and the head's output is gathered.
 
         Returns:
-            ``[B, out_dim, F, H, W]`` in fp32.
+            ``[B, out_dim, F, H, W]`` in fp32 (the full prediction on every rank of a group).
         """
         cfg = self.config
         if x.dim() != 5 or x.shape[1] != cfg.in_dim:
@@ -595,12 +626,19 @@ class WanModel(nn.Module):
 
         context = self.text_embedding(context)
         rope = rope_angles(grid, cfg.head_dim, device=x.device)
+        layout = None
+        if sequence_parallel is not None:
+            layout = sequence_parallel.layout(tokens.shape[1])
+            tokens = layout.shard(tokens, 1)
+            rope = (layout.shard(rope[0], 0), layout.shard(rope[1], 0))
         if self._blocks_compiled:
             for tensor, dims in ((tokens, (0, 1)), (e0, (0,)), (context, (0,)), (rope[0], (0,)), (rope[1], (0,))):
                 mark_dynamic(tensor, *dims)
         for block in self.blocks:
-            tokens = block(tokens, e0, context, rope)
+            tokens = block(tokens, e0, context, rope, layout)
         out = self.head(tokens, e)
+        if layout is not None:
+            out = layout.gather(out, 1)
         return self.unpatchify(out, grid)
 
     def unpatchify(self, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
