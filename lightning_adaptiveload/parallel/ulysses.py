@@ -30,9 +30,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
+
+from lightning_adaptiveload.bucketing.sequence_parallel import allowed_sp_degrees, check_sp_degree
 
 __all__ = [
     "UlyssesGroup",
@@ -46,63 +47,8 @@ __all__ = [
 ]
 
 
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"`check_sp_degree({name}={value!r})` is not valid. Expected a positive integer.")
-    return int(value)
-
-
-# The planner (bucketing, a lower layer) validates degrees with the same two functions, same signatures
-# and behaviour; where both are present, this module should import them from there instead.
-def allowed_sp_degrees(num_heads: int, ranks_per_node: int) -> list[int]:
-    """Degrees k > 1 that divide both ``num_heads`` and ``ranks_per_node``, ascending.
-
-    Wan 1.3B (12 heads) on 8-GPU nodes: [2, 4]; Wan 14B (40 heads) on 8-GPU nodes: [2, 4, 8].
-    """
-    return [k for k in range(2, min(num_heads, ranks_per_node) + 1) if num_heads % k == 0 and ranks_per_node % k == 0]
-
-
-def check_sp_degree(degree: int, num_heads: int, ranks_per_node: int, world_size: int | None = None) -> int:
-    """Return ``degree`` as an int if a sequence-parallel group of that size can run, else raise.
-
-    Args:
-        degree: ranks per sequence-parallel group (1: plain data parallel).
-        num_heads: attention heads of the model; each rank of a group attends with ``num_heads / degree``.
-        ranks_per_node: ranks on one node (Lightning: ``trainer.num_devices``); a group stays on one node.
-        world_size: all ranks, or ``None`` to skip the checks that need it.
-
-    Raises:
-        ValueError: the degree does not divide the heads or the node (the message lists the allowed
-            degrees), or the ranks do not tile into whole groups and nodes.
-    """
-    degree = _positive_int("degree", degree)
-    num_heads = _positive_int("num_heads", num_heads)
-    ranks_per_node = _positive_int("ranks_per_node", ranks_per_node)
-    if degree == 1:
-        return 1
-    if num_heads % degree or ranks_per_node % degree:
-        why = "the heads" if num_heads % degree else "the ranks of a node"
-        raise ValueError(
-            f"`check_sp_degree(degree={degree})` is not valid: {degree} does not divide {why} "
-            f"(num_heads={num_heads}, ranks_per_node={ranks_per_node}). Expected one of "
-            f"{allowed_sp_degrees(num_heads, ranks_per_node)} (divisors of both), or 1 for no sequence parallelism."
-        )
-    if world_size is not None:
-        world_size = _positive_int("world_size", world_size)
-        if world_size % degree:
-            raise ValueError(
-                f"`check_sp_degree(degree={degree}, world_size={world_size})` is not valid: {world_size} ranks "
-                f"do not split into groups of {degree}. Use a world size that is a multiple of {degree}."
-            )
-        if world_size > ranks_per_node and world_size % ranks_per_node:
-            raise ValueError(
-                f"`check_sp_degree(degree={degree}, world_size={world_size})` is not valid: {world_size} ranks "
-                f"are not whole nodes of ranks_per_node={ranks_per_node}, so a group could cross a node. Use a "
-                f"multiple of {ranks_per_node} ranks or set `ranks_per_node` to the ranks of one node."
-            )
-    return degree
-
-
+# The degree rule lives with the planner (bucketing, a lower layer), which checks degrees before
+# training; the groups built here follow the same rule.
 def split_sizes(seq_len: int, degree: int) -> tuple[int, ...]:
     """Tokens per rank when ``degree`` ranks split ``seq_len`` tokens (``torch.tensor_split``'s sizes)."""
     if seq_len < degree:
