@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "blocks": args.loss_blocks or "all (preset depth)", "curves": curves}
         a, b = (curves.get(s) for s in args.loss_settings.split(","))
         if isinstance(a, list) and isinstance(b, list) and a and b:
-            diffs = [abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b)]
+            diffs = [abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b, strict=False)]
             result["loss_curves"]["median_rel_diff"] = statistics.median(diffs)
             result["loss_curves"]["max_rel_diff"] = max(diffs)
         save()
