@@ -180,8 +180,10 @@ def test_data_wait_measures_a_slow_loader(tmp_path, delay, want, tol):
     loader = torch.utils.data.DataLoader(_SlowData(delay), batch_size=None, num_workers=0)
     trainer.fit(_SleepyStep(), train_dataloaders=loader)
     assert monitor.summary()["data_wait_frac"] == pytest.approx(want, abs=tol)
-    waits = [row[0][6] for row in monitor.history]
-    assert all(w == pytest.approx(delay, abs=0.03) for w in waits)
+    waits = sorted(row[0][6] for row in monitor.history)
+    # A sleep lasts at least its delay; on a busy machine some gaps run longer, so the median is checked.
+    assert waits[0] >= delay - 1e-3
+    assert waits[len(waits) // 2] == pytest.approx(delay, abs=0.03)
 
 
 class _SlowValidation(_SleepyStep):
