@@ -292,6 +292,33 @@ def _sequence_parallel_settings(cfg: DictConfig | None, module: pl.LightningModu
     return settings
 
 
+def _with_sequence_parallel_callback(callbacks: list[pl.Callback], datamodule: Any) -> list[pl.Callback]:
+    """With ``data.sequence_parallel`` on: the callback that creates the SP groups of the planned degrees.
+
+    Added when the run lists none; one the run lists must create the degrees the planner plans
+    (``degrees: null`` creates every allowed degree, so it does).
+    """
+    from lightning_adaptiveload.callbacks.sequence_parallel import UlyssesSequenceParallel
+
+    config = getattr(datamodule, "sp_config", None)
+    if config is None:
+        raise ConfigError(
+            f"data.sequence_parallel.enabled=true, but data.datamodule ({type(datamodule).__name__}) has no "
+            "`sp_config`: it plans no sequence-parallel batches. Use "
+            "lightning_adaptiveload.data.datamodule.AdaptiveLoadDataModule, or set data.sequence_parallel.enabled=false."
+        )
+    planned = sorted(config.degrees)
+    given = [cb for cb in callbacks if isinstance(cb, UlyssesSequenceParallel)]
+    for cb in given:
+        if cb.degrees is not None and sorted({k for k in cb.degrees if k > 1}) != planned:
+            raise ConfigError(
+                f"callbacks: UlyssesSequenceParallel(degrees={list(cb.degrees)}) does not create the groups the "
+                f"planner plans: data.sequence_parallel.degrees={planned}. Give both the same degrees, or leave the "
+                "callback out: adaptiveload-train adds it with data.sequence_parallel.degrees."
+            )
+    return callbacks if given else [*callbacks, UlyssesSequenceParallel(planned)]
+
+
 def _instantiate_callbacks(cfg: DictConfig | None) -> list[pl.Callback]:
     callbacks: list[pl.Callback] = []
     for name, cb_cfg in (cfg or {}).items():
@@ -380,6 +407,8 @@ def build(cfg: DictConfig) -> Run:
                 "bucketing.fit_from_benchmark=false: ShapeBenchmarkCallback is off; the configured policy is kept."
             )
         callbacks = kept
+    if sp_settings is not None:
+        callbacks = _with_sequence_parallel_callback(callbacks, datamodule)
     logger = _instantiate(cfg.logger, "logger") if cfg.get("logger") else False
     strategy = _instantiate(cfg.strategy, "strategy")
     trainer: pl.Trainer = _instantiate(

@@ -254,3 +254,22 @@ def test_sequence_parallel_takes_the_model_sizes_and_trains(tmp_path):
     run.trainer.fit(run.module, datamodule=run.datamodule)  # one rank: every batch is data parallel
     batch = next(iter(dm.train_dataloader()))
     assert batch["sp_degree"] == 1
+
+
+def test_sequence_parallel_adds_the_groups_callback_with_the_planned_degrees(tmp_path):
+    from lightning_adaptiveload.callbacks.sequence_parallel import UlyssesSequenceParallel
+
+    sp = ["data.sequence_parallel.enabled=true", "data.sequence_parallel.degrees=[2,4]", "callbacks=none", "logger=none"]
+    run = build(_compose(sp, tmp_path))
+    added = [cb for cb in run.trainer.callbacks if isinstance(cb, UlyssesSequenceParallel)]
+    assert len(added) == 1 and added[0].degrees == (2, 4)
+    # Off: no callback.
+    run = build(_compose(["callbacks=none", "logger=none"], tmp_path))
+    assert not any(isinstance(cb, UlyssesSequenceParallel) for cb in run.trainer.callbacks)
+    # One the run lists is kept (not doubled) when its degrees agree, refused when they do not.
+    target = "+callbacks.sp._target_=lightning_adaptiveload.callbacks.sequence_parallel.UlyssesSequenceParallel"
+    run = build(_compose([*sp, target, "+callbacks.sp.degrees=[4,2]"], tmp_path))
+    assert [cb.degrees for cb in run.trainer.callbacks if isinstance(cb, UlyssesSequenceParallel)] == [(4, 2)]
+    with pytest.raises(Exception, match=r"UlyssesSequenceParallel\(degrees=\[2\]\) does not create the groups the "
+                                         r"planner plans: data.sequence_parallel.degrees=\[2, 4\]"):
+        build(_compose([*sp, target, "+callbacks.sp.degrees=[2]"], tmp_path))

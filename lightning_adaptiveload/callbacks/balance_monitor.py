@@ -21,6 +21,11 @@ the next (``on_train_batch_start``): Lightning fetches the next batch from the D
 copies it to the device) in that gap, so a loader that does not keep up shows here. Validation runs
 in the gap are left out; checkpoint writes and logger flushes are not. The first batch of each epoch
 counts no wait (its fetch and the workers' start-up come before the epoch's hooks).
+
+A sequence-parallel batch (``batch["sp_degree"] = k > 1``) is held by the k ranks of its group,
+each processing 1/k of its tokens: each of them counts 1/k of the batch's tokens and model FLOPs
+(so tokens/s and MFU count every token once) and the planner's SP step cost
+(:func:`~lightning_adaptiveload.bucketing.sequence_parallel.sp_cost_function`) as its compute.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from typing_extensions import override
 
 from lightning_adaptiveload.bucketing.metrics import bubble_fraction, compute_imbalance_rate, sync_overhead
 from lightning_adaptiveload.bucketing.policy import CostPredictor
+from lightning_adaptiveload.bucketing.sequence_parallel import sp_cost_function
 from lightning_adaptiveload.geometry import tokens_of
 
 _FIELDS = ("step_time", "forward_time", "compute", "tokens", "peak_mem", "flops", "data_wait")
@@ -211,10 +217,15 @@ class BalanceMonitor(Callback):
         if self._t0 is not None and self._t_fwd is None:
             self._t_fwd = self._now(pl_module.device)
 
-    def _predicted_compute(self, b: int, s: int) -> float:
-        if self._active_cost_model is not None:
-            return float(self._active_cost_model.predict(b, s))
-        return float(b) * float(s) ** self.p
+    def _predicted_compute(self, b: int, s: int, degree: int = 1) -> float:
+        """Predicted time of this rank's share of a ``(B, S)`` batch held by ``degree`` ranks."""
+        if degree == 1:
+            if self._active_cost_model is not None:
+                return float(self._active_cost_model.predict(b, s))
+            return float(b) * float(s) ** self.p
+        # The planner's rule for an SP batch's step time, so compute CV measures what it balanced.
+        _, sp_cost = sp_cost_function(self._active_cost_model, self.p)
+        return float(np.asarray(sp_cost(np.array([b]), np.array([s]), degree)).reshape(-1)[0])
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -226,11 +237,13 @@ class BalanceMonitor(Callback):
         forward_time = (self._t_fwd if self._t_fwd is not None else end) - self._t0
         self._t0 = None
         b, s = batch_shape_of(pl_module, batch)
+        # Each of the k ranks of a sequence-parallel batch processes 1/k of it.
+        degree = int(batch.get("sp_degree", 1)) if isinstance(batch, dict) else 1
         peak = torch.cuda.max_memory_allocated(pl_module.device) if pl_module.device.type == "cuda" else 0
         flops_fn = getattr(pl_module, "flops_per_sample", None)
-        flops = float(b) * float(flops_fn(s)) if callable(flops_fn) else 0.0
-        local = torch.tensor([step_time, forward_time, self._predicted_compute(b, s), float(b * s), float(peak),
-                              flops, self._wait], dtype=torch.float64, device=pl_module.device)
+        flops = float(b) * float(flops_fn(s)) / degree if callable(flops_fn) else 0.0
+        local = torch.tensor([step_time, forward_time, self._predicted_compute(b, s, degree), float(b * s) / degree,
+                              float(peak), flops, self._wait], dtype=torch.float64, device=pl_module.device)
         gathered = trainer.strategy.all_gather(local)
         rows = gathered.reshape(-1, len(_FIELDS)).cpu().numpy()
         self._seen += 1

@@ -40,8 +40,10 @@ class UlyssesSequenceParallel(Callback):
     Args:
         degrees: the degrees (> 1) the batch sampler may plan; ``None``: every degree allowed for the
             model's heads and the ranks per node (:func:`~lightning_adaptiveload.parallel.ulysses.
-            allowed_sp_degrees`). Each is checked in ``setup`` against the heads, ``trainer.num_devices``
-            (ranks per node) and ``trainer.world_size``.
+            allowed_sp_degrees`). Each up to ``trainer.world_size`` is checked in ``setup`` against the
+            heads, ``trainer.num_devices`` (ranks per node) and the world size; larger ones are skipped,
+            as the planner skips them. ``adaptiveload-train`` adds this callback itself, with
+            ``data.sequence_parallel.degrees``, when ``data.sequence_parallel.enabled=true``.
 
     Raises:
         ValueError: in ``__init__``, ``degrees`` holds a non-integer or a value < 1; in ``setup``, a
@@ -75,7 +77,8 @@ class UlyssesSequenceParallel(Callback):
         if self.degrees is None:
             degrees = allowed_sp_degrees(heads, per_node)
         else:
-            degrees = [check_sp_degree(k, heads, per_node, world) for k in self.degrees]
+            # Degrees above the world size are never planned (SequenceParallelConfig.usable_degrees).
+            degrees = [check_sp_degree(k, heads, per_node, world) for k in self.degrees if k <= world]
         if self.groups is None and any(k > 1 for k in degrees):
             self.groups = UlyssesGroups(degrees, heads, per_node)
             rank_zero_info(f"Sequence parallelism: {self.groups}, {heads} heads, {per_node} ranks per node.")

@@ -200,3 +200,35 @@ def test_validation_between_batches_is_not_data_wait(tmp_path):
     trainer.fit(_SlowValidation(), train_dataloaders=loader, val_dataloaders=loader)
     waits = [row[0][6] for row in monitor.history]
     assert len(waits) == 6 and max(waits) < 0.1  # three 0.3 s validations ran between batches
+
+
+def _sp_loader(n_batches=6, degree=2):
+    # As _loader, with the batch held by an SP group of `degree` ranks (B=3, S=12).
+    return torch.utils.data.DataLoader(
+        [{"latents": torch.randn(3, 4, 2, 4, 6), "sp_degree": degree} for _ in range(n_batches)], batch_size=None)
+
+
+def test_a_sequence_parallel_batch_counts_one_kth_of_its_tokens_and_flops_per_rank(tmp_path, monkeypatch):
+    _fake_clock(monkeypatch)
+    monitor = BalanceMonitor(log_every_n_steps=1, peak_tflops=100.0)
+    trainer = Trainer(default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=6, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      callbacks=[monitor])
+    trainer.fit(FlopsModule(), train_dataloaders=_sp_loader(degree=2))
+    s = monitor.summary()
+    # This rank holds half of 3 samples x 12 tokens (18 tokens) and half of 3 x 12 TFLOP, each step 3 s.
+    assert [row[0][3] for row in monitor.history] == [18.0] * 6
+    assert s["tokens_per_s"] == pytest.approx(18.0 / 3.0)
+    assert s["tflops_per_gpu"] == pytest.approx(18.0 / 3.0)
+    assert s["mfu"] == pytest.approx(0.06)
+    # Without a cost model: the planner's SP rule B * S**p / k = 3 * 144 / 2.
+    assert monitor.history[0][0][2] == pytest.approx(216.0)
+
+
+def test_sequence_parallel_compute_uses_the_cost_models_sp_prediction():
+    fixed = SimpleNamespace(predict=lambda b, s: 1.0 + 2.0 * np.asarray(b) * s)
+    assert BalanceMonitor(cost_model=fixed)._predicted_compute(3, 12, 1) == pytest.approx(73.0)
+    # No `predict_sp`: t(0, S) + (t(B, S) - t(0, S)) / k, the sampler's split rule.
+    assert BalanceMonitor(cost_model=fixed)._predicted_compute(3, 12, 4) == pytest.approx(1.0 + 72.0 / 4)
+    with_sp = SimpleNamespace(predict=fixed.predict, predict_sp=lambda b, s, k: np.asarray(b) * s * 0.5 + k)
+    assert BalanceMonitor(cost_model=with_sp)._predicted_compute(3, 12, 2) == pytest.approx(20.0)

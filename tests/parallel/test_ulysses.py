@@ -209,9 +209,15 @@ def test_callback_checks_degrees_and_the_module():
     class Trainer1:
         num_devices, world_size = 1, 1
 
+    class TwoNodesOfOne:
+        num_devices, world_size = 1, 2
+
     module = FlowMatchingModule(CFG)
     with pytest.raises(ValueError, match=r"degree=2\)` is not valid: 2 does not divide the ranks of a node"):
-        UlyssesSequenceParallel(degrees=[2]).setup(Trainer1(), module, "fit")
+        UlyssesSequenceParallel(degrees=[2]).setup(TwoNodesOfOne(), module, "fit")
+    # A degree above the world size is never planned (as the sampler skips it): no group, no error.
+    UlyssesSequenceParallel(degrees=[2]).setup(Trainer1(), module, "fit")
+    assert module.sequence_parallel is None
     # Nothing to create on one rank: the module gets no groups, and an SP batch would be refused.
     UlyssesSequenceParallel().setup(Trainer1(), module, "fit")
     assert module.sequence_parallel is None
