@@ -437,7 +437,7 @@ def _format_summary(summary: dict[str, float]) -> str:
     for key, value in summary.items():
         if key == "steps":
             continue
-        if key.endswith("_cv") or key in ("bubble", "mfu"):
+        if key.endswith("_cv") or key in ("bubble", "mfu", "data_wait_frac"):
             parts.append(f"{key} {value:.2%}")
         elif key == "tokens_per_s":
             parts.append(f"{key} {value:,.0f}")

@@ -273,3 +273,11 @@ def test_sequence_parallel_adds_the_groups_callback_with_the_planned_degrees(tmp
     with pytest.raises(Exception, match=r"UlyssesSequenceParallel\(degrees=\[2\]\) does not create the groups the "
                                          r"planner plans: data.sequence_parallel.degrees=\[2, 4\]"):
         build(_compose([*sp, target, "+callbacks.sp.degrees=[2]"], tmp_path))
+
+
+def test_final_summary_shows_fractions_as_percentages():
+    from lightning_adaptiveload.train import _format_summary
+
+    text = _format_summary({"steps": 5, "tokens_per_s": 12345.6, "mfu": 0.4, "data_wait_frac": 0.0007,
+                            "step_time_cv": 0.02, "peak_mem_gb": 28.37})
+    assert text == "tokens_per_s 12,346, mfu 40.00%, data_wait_frac 0.07%, step_time_cv 2.00%, peak_mem_gb 28.37"
