@@ -17,7 +17,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_adaptiveload.models.flow_matching import FlowMatchingModule
-
 from lightning_adaptiveload.models.wan import _ATTENTION_OPS, WanAttentionBlock, WanModel
 from lightning_adaptiveload.parallel.fsdp import (
     build_fsdp_mesh,
