@@ -1,8 +1,9 @@
 """A CPU FSDP2 fit on gloo ranks (Lightning launches the other ranks by re-running this script).
 
-Every rank writes ``<out>/rank<r>.pt``: its losses and batches per step, and the checks made right
+Every rank writes ``<out>/rank<r>.pt``: its losses and batches per step, the checks made right
 after ``configure_model`` (weights gathered from the shards vs the pretrained source, each rank's
-local share of every parameter, the sharded init vs the dense init of the same seed).
+local share of every parameter, the sharded init vs the dense init of the same seed), and after the
+last step its coordinate in the device mesh and its local shards of the weights.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class CheckedModule(FlowMatchingModule):
         from torch.distributed.fsdp import FSDPModule
 
         self.checks["fsdp_units"] = sorted(n for n, m in model.named_modules() if isinstance(m, FSDPModule))
+        self.checks["placements"] = sorted({tuple(map(repr, p.placements)) for p in model.parameters()})
         self.checks["all_sharded"] = all(
             isinstance(p, DTensor) and p.placements == (Shard(0),) for p in model.parameters()
         )
@@ -98,8 +100,15 @@ class _Record(Callback):
                            "latents": batch["latents"].clone(), "context": batch["context"].clone()})
 
     def on_train_end(self, trainer, pl_module) -> None:
+        from lightning_adaptiveload.parallel.fsdp import local_slices
+
+        model = pl_module.model
+        final = {n: {"local": p.to_local().detach().clone(), "slices": local_slices(p)}
+                 for n, p in model.named_parameters()}
+        mesh = pl_module.device_mesh
         torch.save({"steps": self.steps, "checks": pl_module.checks, "world_size": trainer.world_size,
-                    "start": self.start},
+                    "start": self.start, "final": final, "mesh_dims": mesh.mesh_dim_names,
+                    "mesh_coordinate": mesh.get_coordinate()},
                    self.out / f"rank{trainer.global_rank}.pt")
 
 
@@ -112,6 +121,7 @@ def main() -> None:
     parser.add_argument("--shard-size", type=int, default=None)
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--no-checkpoints", action="store_true", help="save no distributed checkpoints")
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -127,8 +137,10 @@ def main() -> None:
         default_root_dir=str(out), accelerator="cpu", devices=args.devices, strategy=FSDP2Strategy(shard_size=args.shard_size),
         precision="32-true", use_distributed_sampler=False, max_epochs=-1, max_steps=args.max_steps,
         gradient_clip_val=CLIP, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[ModelCheckpoint(dirpath=str(out / "ckpt"), every_n_train_steps=2, save_top_k=-1,
-                                   filename="step={step}", auto_insert_metric_name=False), _Record(out)],
+        enable_checkpointing=not args.no_checkpoints,
+        callbacks=[_Record(out)] + ([] if args.no_checkpoints else [
+            ModelCheckpoint(dirpath=str(out / "ckpt"), every_n_train_steps=2, save_top_k=-1,
+                            filename="step={step}", auto_insert_metric_name=False)]),
     )
     trainer.fit(module, datamodule=datamodule, ckpt_path=args.ckpt)
 

@@ -1,6 +1,6 @@
-"""FSDP2 and HSDP on two gloo ranks through Lightning: each rank holds its shards only, pretrained
-weights in both layouts load exactly, the losses equal a single-process emulation of the two ranks
-(fp32, clipping on), and a distributed checkpoint resumes to the uninterrupted run's losses exactly."""
+"""FSDP2 and HSDP on gloo ranks through Lightning: each rank holds its shards only, pretrained
+weights in both layouts load exactly, the losses (and weights) equal a single-process emulation of the
+ranks (fp32, clipping on), and a distributed checkpoint resumes to the uninterrupted run's losses exactly."""
 
 from __future__ import annotations
 
@@ -32,7 +32,13 @@ def _fit(out: Path, *args: str, ranks: int = 2) -> list[dict]:
 
 
 def _reference_losses(pretrained: Path, ranks: list[dict], steps: int) -> list[list[float]]:
-    """One process plays both ranks: each rank's batch and noise stream, the mean loss, one AdamW step."""
+    return _reference(pretrained, ranks, steps)[0]
+
+
+def _reference(pretrained: Path, ranks: list[dict], steps: int) -> tuple[list[list[float]], WanModel]:
+    """One process plays every rank: each rank's batch and noise stream, the mean loss, one AdamW step.
+
+    Returns the per-step losses of every rank and the model after the last step."""
     model = WanModel("tiny")
     load_wan_weights_(model, pretrained)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
@@ -49,9 +55,9 @@ def _reference_losses(pretrained: Path, ranks: list[dict], steps: int) -> list[l
         (sum(losses) / len(losses)).backward()
         clipped.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)) > CLIP)
         opt.step()
-        out.append([float(x) for x in losses])
+        out.append([float(x.detach()) for x in losses])
     assert all(clipped), "the clip value must bite for the test to check clipping"
-    return out
+    return out, model
 
 
 def _assert_clipped(ranks: list[dict]) -> None:
@@ -115,6 +121,39 @@ def test_hsdp_two_replicas_train_like_one_process(tmp_path, checkpoints):
     _assert_clipped(hsdp)
     want = _reference_losses(checkpoints["diffusers"], hsdp, 2)
     torch.testing.assert_close(torch.tensor(_losses(hsdp)), torch.tensor(want), rtol=1e-5, atol=0)
+
+
+def test_hsdp_two_replicas_of_two_shards_train_like_one_process(tmp_path, checkpoints):
+    """4 ranks as a (replicate=2, shard=2) mesh: real sharding inside each replica."""
+    hsdp = _fit(tmp_path / "hsdp", "--pretrained", str(checkpoints["diffusers"]), "--layout", "diffusers",
+                "--max-steps", "2", "--shard-size", "2", "--devices", "4", "--no-checkpoints", ranks=4)
+    for rank, record in enumerate(hsdp):
+        assert record["world_size"] == 4 and record["mesh_dims"] == ("replicate", "shard")
+        # Replicas are the rank blocks [0, 1] and [2, 3]; a rank's shard index is its place in its block.
+        replica, shard = divmod(rank, 2)
+        assert tuple(record["mesh_coordinate"]) == (replica, shard)
+        checks = record["checks"]
+        # Every parameter: replicated across the replicas, dim 0 sharded inside one.
+        assert checks["placements"] == [("Replicate()", "Shard(dim=0)")]
+        assert checks["pretrained_equal"] and checks["init_equal"]
+        for name, shape in checks["full_shape"].items():
+            first = -(-shape[0] // 2)
+            rows = slice(0, first) if shard == 0 else slice(first, shape[0])
+            assert checks["local_shape"][name] == (rows.stop - rows.start, *shape[1:]), name
+            assert record["final"][name]["slices"][0] == rows, name
+    _assert_clipped(hsdp)
+    want, model = _reference(checkpoints["diffusers"], hsdp, 2)
+    torch.testing.assert_close(torch.tensor(_losses(hsdp)), torch.tensor(want), rtol=1e-5, atol=0)
+    reference = dict(model.named_parameters())
+    for rank, record in enumerate(hsdp):
+        for name, got in record["final"].items():
+            # Each rank's half of the trained weights is the emulation's half. atol: weights that pass near
+            # zero (measured: one of 8192, |w| ~ 1e-5, off by 9e-10 from the other fp32 summation order).
+            torch.testing.assert_close(got["local"], reference[name].detach()[got["slices"]], rtol=1e-5, atol=1e-8,
+                                       msg=lambda m, rank=rank, name=name: f"rank {rank} {name}: {m}")
+            # The two replicas hold identical shards (same reduced gradients, same optimizer step).
+            if rank >= 2:
+                assert torch.equal(got["local"], hsdp[rank - 2]["final"][name]["local"]), (rank, name)
 
 
 @pytest.mark.parametrize("shard_size", [3, 0])
