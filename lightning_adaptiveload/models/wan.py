@@ -632,9 +632,16 @@ class WanModel(nn.Module):
             tokens = layout.shard(tokens, 1)
             rope = (layout.shard(rope[0], 0), layout.shard(rope[1], 0))
         if self._blocks_compiled:
-            for tensor, dims in ((tokens, (0, 1)), (e0, (0,)), (context, (0,)), (rope[0], (0,)), (rope[1], (0,))):
+            # Every block must see the same kind of input, or blocks compile graphs of their own: the
+            # first block's tokens would be a transposed view of the patch embedding (dynamo guards
+            # on its base's strides) while later blocks get fresh tensors, and a dynamic-size mark
+            # must be on every block's input, not only the first one's.
+            tokens = tokens.contiguous()
+            for tensor, dims in ((e0, (0,)), (context, (0,)), (rope[0], (0,)), (rope[1], (0,))):
                 mark_dynamic(tensor, *dims)
         for block in self.blocks:
+            if self._blocks_compiled:
+                mark_dynamic(tokens, 0, 1)
             tokens = block(tokens, e0, context, rope, layout)
         out = self.head(tokens, e)
         if layout is not None:
