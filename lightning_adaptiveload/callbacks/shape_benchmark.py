@@ -97,7 +97,8 @@ class ShapeBenchmarkCallback(Callback):
         shape_time_s: A shape starts no new step after this many seconds (one timed step is kept).
         time_budget_s: No new shape is started after this many seconds, once every sequence length
             has been measured; later shapes get only what is left.
-        form: Cost-model form: ``"auto"``, ``"power"`` or ``"quadratic"``.
+        form: Cost-model form: ``"auto"``, ``"power"``, ``"quadratic"`` or ``"saturating"``
+            (:mod:`lightning_adaptiveload.calibration.costmodel`).
         memory_margin: Fraction of device memory held back when deriving ``M_mem``.
         step_budget_s: Step budget in seconds; ``None`` picks the one with the highest predicted
             throughput (see :mod:`lightning_adaptiveload.calibration.derive`).

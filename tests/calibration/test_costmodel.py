@@ -230,3 +230,49 @@ def test_absurd_timings_get_a_clear_error():
     t[3] = 1e308
     with pytest.raises(ValueError, match=r"times\[3\]=1e\+308.*not a plausible step time"):
         CostModel.fit(b, s, t)
+
+
+def _saturating(b, s, a=0.3, c1=2e-5, c2=1.4e-9, k=3.0):
+    work = b * (c1 * s + c2 * s * s)
+    return (a**k + work**k) ** (1.0 / k)
+
+
+def test_saturating_form_recovers_and_predicts_like_the_float64_formula():
+    b = np.array([1, 6, 42, 1, 3, 8, 1, 2, 4, 1, 2, 3, 1, 2], dtype=float)
+    s = np.array([1560, 1560, 1560, 7800, 7800, 7800, 14040, 14040, 14040, 20280, 20280, 20280, 32760, 32760.0])
+    t = _saturating(b, s)
+    cm = CostModel.fit(b, s, t, form="saturating")
+    assert cm.quality["max_rel_error"] < 1e-4 and cm.params["k"] == pytest.approx(3.0, rel=1e-3)
+    # The overflow-safe evaluation equals the plain formula, also far from the floor and at k = 8.
+    sharp = CostModel("saturating", {"a": 0.5, "c1": 1e-5, "c2": 1e-9, "k": 8.0})
+    bb, ss = np.array([1.0, 100.0, 1e4]), np.array([100.0, 32760.0, 75600.0])
+    work = bb * (1e-5 * ss + 1e-9 * ss * ss)
+    assert np.allclose(sharp.predict(bb, ss), (0.5**8 + work**8) ** (1 / 8), rtol=1e-12)
+    assert sharp.predict(1e4, 75600) == pytest.approx(float(work[-1]), rel=1e-12)  # the work dominates
+    assert CostModel.from_json(cm.to_json()) == cm
+    with pytest.raises(ValueError, match=r"k=9.0 is not valid. Expected a number in \[1.0, 8.0\]"):
+        CostModel("saturating", {"a": 0.5, "c1": 1e-5, "c2": 1e-9, "k": 9.0})
+    with pytest.raises(ValueError, match="its 4 parameters need at least 5"):
+        CostModel.fit(b[:4], s[:4], t[:4], form="saturating")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_auto_takes_the_saturating_form_only_when_it_is_clearly_better(seed):
+    b = np.array([1, 6, 42, 1, 3, 8, 1, 2, 4, 1, 2, 3, 1, 2], dtype=float)
+    s = np.array([1560, 1560, 1560, 7800, 7800, 7800, 14040, 14040, 14040, 20280, 20280, 20280, 32760, 32760.0])
+    by_floor = CostModel.fit(b, s, _noisy(_saturating(b, s), seed=seed), form="auto")
+    assert by_floor.form == "saturating"
+    assert by_floor.quality["heldout_saturating"] < 0.8 * by_floor.quality["heldout_quadratic"]
+
+
+def test_policy_from_a_saturating_model_is_the_largest_batch_within_the_budget():
+    from lightning_adaptiveload.calibration.derive import policy_for_budget
+
+    cm = CostModel("saturating", {"a": 0.3, "c1": 2e-5, "c2": 1.4e-9, "k": 3.0})
+    policy = policy_for_budget(cm, m_mem=500_000, step_budget_s=2.0)
+    for seq in (1560, 7800, 32760):
+        bsz = policy.batch_size(seq)
+        assert bsz == 1 or cm.predict(bsz, seq) <= 2.0  # B = 1 is always allowed
+        assert cm.predict(bsz + 1, seq) > 2.0 or (bsz + 1) * seq > 500_000
+    # By hand: B = 57 at S = 1,560 gives t = (0.3³ + 1.9726³)^(1/3) = 1.975 s; B = 58 has work 2.007 s.
+    assert [policy.batch_size(seq) for seq in (1560, 7800, 32760)] == [57, 8, 1]
