@@ -185,6 +185,7 @@ class ShapeBenchmarkCallback(Callback):
         self._state: dict[str, Any] | None = None
         self._restored: dict[str, Any] | None = None
         self._fit_started = False
+        self._auto_checkpointing = False
         self.calibration: record.Calibration | None = None
         self.derivation: derive.Derivation | None = None
         self.source: str | None = None
@@ -229,6 +230,9 @@ class ShapeBenchmarkCallback(Callback):
         if not self.enabled:
             return
         self._fit_started = True
+        # Whether the module leaves checkpointing to the calibration; read before anything sets a mode,
+        # so a calibration applied later (a late-restoring strategy's checkpoint) still gives its mode.
+        self._auto_checkpointing = getattr(pl_module, "checkpointing", None) == "auto"
         self.profiled = False
         grids, counts = self._buckets(trainer)
         oversize = getattr(getattr(trainer.datamodule, "policy", None), "oversize", "error")
@@ -468,7 +472,7 @@ class ShapeBenchmarkCallback(Callback):
         if current is None:
             return
         if chosen is None:
-            if current == "auto":
+            if self._auto_checkpointing:
                 rank_zero_warn(f"`ShapeBenchmarkCallback`: the calibration from {source} does not record an "
                                "activation-checkpointing mode; training with 'full'. Profile again (`force=True`) "
                                "to choose one.")
@@ -477,9 +481,9 @@ class ShapeBenchmarkCallback(Callback):
         if chosen not in getattr(pl_module, "checkpointing_modes", ()):
             raise ValueError(f"The calibration from {source} was profiled with activation checkpointing {chosen!r}, "
                              f"which {type(pl_module).__name__} does not support. Profile again (`force=True`).")
-        if current in ("auto", chosen) or self._restored is not None:
+        if self._auto_checkpointing:
             pl_module.set_checkpointing(chosen)
-        else:
+        elif current != chosen:
             rank_zero_warn(f"`ShapeBenchmarkCallback`: the calibration from {source} was profiled with activation "
                            f"checkpointing {chosen!r}, but the module uses {current!r}; its timings may not match.")
 

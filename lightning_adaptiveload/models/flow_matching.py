@@ -331,7 +331,6 @@ class FlowMatchingModule(pl.LightningModule):
         setting = self.hparams.activation_checkpointing
         # "auto": full until the shape benchmark has measured what fits (the safe mode to start in).
         model.set_gradient_checkpointing("full" if setting == "auto" else setting)
-        self._checkpointing_decided = setting != "auto"
         if self.hparams.get("compile", False):
             # Compilation is lazy: modules swapped in after this (FusedAdaLNCallback) are what gets traced.
             model.compile_blocks()
@@ -342,7 +341,7 @@ class FlowMatchingModule(pl.LightningModule):
     @property
     def checkpointing(self) -> str:
         """The activation-checkpointing mode in use, or ``"auto"`` while it is still to be chosen."""
-        if not getattr(self, "_checkpointing_decided", False):
+        if self.model is None or not self._checkpointing_decided:
             setting = self.hparams.activation_checkpointing
             return "auto" if setting == "auto" else checkpointing_mode(setting)
         blocks = [m for m in self._require_model().modules() if isinstance(m, WanAttentionBlock)]

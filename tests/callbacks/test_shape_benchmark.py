@@ -568,3 +568,18 @@ def test_a_fixed_mode_is_part_of_the_key_and_never_probed(tmp_path):
     _trainer(tmp_path, cb).fit(model, datamodule=TinyDataModule())
     assert cb.calibration.key["checkpointing"] == "full" and "checkpointing" not in cb.calibration.extra
     assert model.checkpointing == "full" and set(model.modes_seen) == {"full"}
+
+
+def test_late_restoring_strategy_gets_the_checkpoints_checkpointing_mode(tmp_path):
+    # Such strategies restore after on_fit_start: the run profiles first (here choosing 'none'), then the
+    # checkpoint's calibration replaces it, and its mode ('full') must replace the profiled one too.
+    first = _cb(tmp_path)
+    trainer = _trainer(tmp_path, first, strategy=LateRestoreStrategy(torch.device("cpu")))
+    trainer.fit(ModalModule(oom_modes=("none", "selective")), datamodule=TinyDataModule())
+    assert first.calibration.extra["checkpointing"]["mode"] == "full"
+    trainer.save_checkpoint(tmp_path / "late.ckpt")
+    resumed, model = _cb(tmp_path), ModalModule(oom_modes=())
+    trainer = _trainer(tmp_path, resumed, strategy=LateRestoreStrategy(torch.device("cpu")), max_steps=4)
+    trainer.fit(model, datamodule=TinyDataModule(), ckpt_path=tmp_path / "late.ckpt")
+    assert resumed.profiled and resumed.source == "checkpoint"
+    assert model.checkpointing == "full"
