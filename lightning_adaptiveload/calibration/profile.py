@@ -8,7 +8,8 @@ Per shape: ``warmup`` untimed steps, then up to ``repeats`` timed steps, the med
 maximum over ranks recorded. With a ``compile_clock`` (cumulative seconds spent compiling), compile
 time is never timed: a warm-up step in which nothing compiled is a steady-state step and counts as a
 timed one (so a compiled model pays no extra step per shape once its graphs exist), and a timed step
-in which something compiled is not counted. The seconds spent compiling are recorded per shape. Every decision that ranks must share (out of memory, out of time) goes
+in which something compiled is not counted. The seconds spent compiling are recorded per shape.
+Every decision that ranks must share (out of memory, out of time) goes
 through the collectives, so all ranks run the same steps. Bounds:
 
 - a shape stops starting new steps once its own time reaches ``shape_time_s`` (at least one timed
@@ -229,7 +230,7 @@ def profile(
         progress: receives one line per shape (and per step of slow shapes); rank 0 prints it.
         clock: seconds; default ``time.perf_counter`` (read at call time, so tests can patch it).
         compile_clock: cumulative seconds spent compiling (e.g.
-            :func:`lightning_adaptiveload.models.compile_seconds`); see the module docstring. ``None``:
+            :func:`lightning_adaptiveload.models.compiling.compile_seconds`); see the module docstring. ``None``:
             nothing compiles, warm-up steps are never timed.
 
     Raises:
@@ -318,7 +319,10 @@ def _profile_one(make_step, shape: Shape, coll: Collectives, warmup: int, repeat
             if steady:
                 times.append(dt)
             if dt >= _SLOW_STEP_S:
-                kind = f"warm-up {k + 1}/{warmup}" if not steady else f"timed {len(times)}/{repeats}"
+                if steady:
+                    kind = f"timed {len(times)}/{repeats}"
+                else:
+                    kind = "compiling" if compile_clock is not None else f"warm-up {k + 1}/{warmup}"
                 say(f"  {label}: B={b} S={s:,} {kind}: {dt:.1f} s")
         if not times and last is not None:
             times.append(last)  # something compiled in every step: the last step is the best estimate

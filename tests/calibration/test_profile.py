@@ -160,9 +160,11 @@ def test_compile_clock_times_steady_warmup_steps_and_never_a_compiling_one():
     cc = CompileClock({0, 6})
     durations = iter([30.0, 1.0, 3.0, 2.0, 4.0, 9.0, 5.0, 6.0])
     plan = [Shape(1, (1, 1, 4)), Shape(1, (1, 1, 8)), Shape(2, (1, 1, 8))]
+    lines = []
     m = profile(_compiling_stepper(clock, durations, cc, calls), plan, warmup=1, repeats=2, shape_time_s=100,
-                clock=clock, compile_clock=cc)
+                clock=clock, compile_clock=cc, progress=lines.append)
     assert calls == [1, 1, 1, 1, 1, 2, 2, 2]
+    assert any("compiling: 30.0 s" in line for line in lines) and any("timed 2/2: 3.0 s" in line for line in lines)
     assert [x.timed_steps for x in m] == [2, 2, 2]
     assert [x.time_s for x in m] == [2.0, 3.0, 7.5]
     assert [x.compile_s for x in m] == [5.0, 0.0, 5.0]
