@@ -78,20 +78,22 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the two settings compared by the loss curves")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--override", action="append", default=[], help="extra Hydra override (repeatable)")
+    p.add_argument("--trace-steps", type=int, default=0,
+                   help="profile the last N steps of each setting with torch.profiler (host vs device time)")
     p.add_argument("--out", default="benchmarks/results/speed.json")
     args = p.parse_args(argv)
     bad = [s for s in args.settings.split(",") + args.loss_settings.split(",") if s not in SETTINGS]
     if bad:
         p.error(f"unknown settings {bad}; expected names from {list(SETTINGS)}")
-    if args.steps < 1 or args.warmup < 0 or args.blocks < 0 or args.loss_steps < 0:
-        p.error("--steps must be >= 1; --warmup, --blocks and --loss-steps >= 0")
+    if args.steps < 1 or min(args.warmup, args.blocks, args.loss_steps, args.trace_steps) < 0:
+        p.error("--steps must be >= 1; --warmup, --blocks, --loss-steps and --trace-steps >= 0")
     return args
 
 
 class _StepTimer:
     """Times each optimizer step on the device and notes whether anything compiled in it."""
 
-    def __new__(cls, peak_tflops: float):
+    def __new__(cls, peak_tflops: float, trace_from: int | None = None, trace_out: Path | None = None):
         import torch
         from lightning.pytorch import Callback
 
@@ -101,12 +103,18 @@ class _StepTimer:
             def __init__(self):
                 self.rows: list[dict[str, Any]] = []
                 self.losses: list[float] = []
+                self.prof = None
 
             def _sync(self, pl_module):
                 if pl_module.device.type == "cuda":
                     torch.cuda.synchronize(pl_module.device)
 
             def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                if trace_from is not None and self.prof is None and trainer.global_step >= trace_from:
+                    self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                                   torch.profiler.ProfilerActivity.CUDA])
+                    self.prof.start()
+                    self._trace_t0, self._trace_rows = time.perf_counter(), len(self.rows)
                 self._sync(pl_module)
                 if pl_module.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(pl_module.device)
@@ -128,7 +136,30 @@ class _StepTimer:
                     "mfu": flops / dt / (peak_tflops * 1e12),
                 })
 
+            def on_train_end(self, trainer, pl_module):
+                if self.prof is not None:
+                    self._sync(pl_module)
+                    wall = time.perf_counter() - self._trace_t0
+                    self.prof.stop()
+                    _write_trace(self.prof, wall, self.rows[self._trace_rows:], trace_out)
+
+
         return StepTimer()
+
+
+def _write_trace(prof, wall: float, rows: list[dict[str, Any]], out: Path) -> None:
+    """Host vs device time of the traced steps, and the top operators by each."""
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events)
+    shapes = ", ".join(f"{r['batch_size']}x{r['seq_len']}" for r in rows)
+    lines = [f"traced steps: {len(rows)} ({shapes})",
+             f"wall {wall * 1e3:.1f} ms; device busy (sum of kernel time) {device_us / 1e3:.1f} ms "
+             f"= {device_us / 1e3 / max(wall * 1e3, 1e-9):.1%} of wall", "",
+             events.table(sort_by="self_device_time_total", row_limit=30), "",
+             events.table(sort_by="self_cpu_time_total", row_limit=30)]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines))
+    print("\n".join(lines[:2]), f"-> {out}", flush=True)
 
 
 def _overrides(args: argparse.Namespace, setting: str, shapes, steps: int, blocks: int, out_dir: Path) -> list[str]:
@@ -161,7 +192,9 @@ def _fit(args, setting, shapes, steps, blocks, out_dir) -> tuple[Any, Any, float
 
     cfg = _compose(_overrides(args, setting, shapes, steps, blocks, out_dir))
     run = build(cfg)
-    timer = _StepTimer(args.peak_tflops)
+    trace = getattr(args, "trace_steps", 0)
+    timer = _StepTimer(args.peak_tflops, steps - trace if trace else None,
+                       Path(args.out).with_name(f"{Path(args.out).stem}_trace_{setting}.txt"))
     run.trainer.callbacks.append(timer)
     t0 = time.perf_counter()
     run.trainer.fit(run.module, datamodule=run.datamodule)
