@@ -119,6 +119,12 @@ class _StepTimer:
                 if pl_module.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(pl_module.device)
                 self._c0, self._t0 = compile_seconds(), time.perf_counter()
+                self._t_update = None
+
+            def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+                # After forward + backward; what follows is clipping and the optimizer update.
+                self._sync(pl_module)
+                self._t_update = time.perf_counter()
 
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
                 self._sync(pl_module)
@@ -129,6 +135,7 @@ class _StepTimer:
                 self.losses.append(float(loss.detach().float().cpu()))
                 self.rows.append({
                     "step": trainer.global_step, "batch_size": b, "seq_len": s, "seconds": dt,
+                    "update_s": None if self._t_update is None else time.perf_counter() - self._t_update,
                     "compile_s": compile_seconds() - self._c0,
                     "peak_gib": (torch.cuda.max_memory_allocated(pl_module.device) / 2**30
                                  if pl_module.device.type == "cuda" else None),
@@ -149,8 +156,10 @@ class _StepTimer:
 
 def _write_trace(prof, wall: float, rows: list[dict[str, Any]], out: Path) -> None:
     """Host vs device time of the traced steps, and the top operators by each."""
+    import torch
+
     events = prof.key_averages()
-    device_us = sum(e.self_device_time_total for e in events)
+    device_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     shapes = ", ".join(f"{r['batch_size']}x{r['seq_len']}" for r in rows)
     lines = [f"traced steps: {len(rows)} ({shapes})",
              f"wall {wall * 1e3:.1f} ms; device busy (sum of kernel time) {device_us / 1e3:.1f} ms "
@@ -216,6 +225,7 @@ def _per_shape(rows: list[dict[str, Any]], warmup: int, shapes, peak_tflops: flo
         out[key] = {
             "batch_size": b, "grid": list(grid), "seq_len": s, "steps": len(steady), "step_s": dt,
             "tokens_per_s": b * s / dt, "tflops_per_gpu": tflop / dt, "mfu": tflop / dt / peak_tflops,
+            "update_s": statistics.median(r.get("update_s") or 0.0 for r in steady),  # clipping + optimizer
             "peak_gib": max((r["peak_gib"] or 0.0) for _, r in mine),
             "compile_s": sum(r["compile_s"] for _, r in mine),
         }
@@ -235,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "how": ("adaptiveload-train (Hydra compose + train.build + Trainer.fit), bucketing=fixed, one run per "
                     "setting with the shapes interleaved; per optimizer step CUDA-synchronised wall time from "
-                    "on_train_batch_start to on_train_batch_end (data loading excluded); steps that compiled and the "
+                    "on_train_batch_start to on_train_batch_end (data loading excluded; update_s: from "
+                    "on_before_optimizer_step, i.e. clipping + optimizer); steps that compiled and the "
                     f"first {args.warmup} steps left out; median per shape; MFU against {args.peak_tflops} TFLOP/s"),
             "model": args.model, "blocks": args.blocks or "all (preset depth)", "shapes": args.shapes,
             "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu",
@@ -294,17 +305,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _table(result: dict[str, Any]) -> str:
-    rows = ["| setting | shape B×S | tokens/s | TFLOP/s | MFU | peak GiB | steps |", "|---|---|---|---|---|---|---|"]
+    rows = ["| setting | shape B×S | tokens/s | TFLOP/s | MFU | peak GiB | update ms | steps |",
+            "|---|---|---|---|---|---|---|---|"]
     for name, entry in result["settings"].items():
         if "error" in entry:
-            rows.append(f"| {name} | failed: {entry['error'][:100]} | | | | | |")
+            rows.append(f"| {name} | failed: {entry['error'][:100]} | | | | | | |")
             continue
         for key, r in entry["per_shape"].items():
             if not r.get("steps"):
-                rows.append(f"| {name} | {key} | - | - | - | - | 0 |")
+                rows.append(f"| {name} | {key} | - | - | - | - | - | 0 |")
                 continue
             rows.append(f"| {name} | {key} | {r['tokens_per_s']:,.0f} | {r['tflops_per_gpu']:.0f} | {r['mfu']:.1%} | "
-                        f"{r['peak_gib']:.1f} | {r['steps']} |")
+                        f"{r['peak_gib']:.1f} | {r.get('update_s', 0.0) * 1e3:.0f} | {r['steps']} |")
     return "\n".join(rows)
 
 

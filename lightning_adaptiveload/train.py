@@ -446,8 +446,28 @@ def _format_summary(summary: dict[str, float]) -> str:
     return ", ".join(parts)
 
 
+#: The CUDA allocator setting ``adaptiveload-train`` uses unless the environment sets one: expandable
+#: segments keep varying batch shapes from fragmenting the cache (without them a 1.3B run that fits by
+#: the memory model can fail with 10 GiB reserved but unallocated).
+CUDA_ALLOC_CONF = "expandable_segments:True"
+
+
+def configure_cuda_allocator() -> bool:
+    """Set ``PYTORCH_ALLOC_CONF`` to :data:`CUDA_ALLOC_CONF` unless it (or the older
+    ``PYTORCH_CUDA_ALLOC_CONF``) is set or CUDA is already in use; returns whether it did."""
+    import torch
+
+    if any(k in os.environ for k in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")) or torch.cuda.is_initialized():
+        return False
+    os.environ["PYTORCH_ALLOC_CONF"] = CUDA_ALLOC_CONF
+    return True
+
+
 def train(cfg: DictConfig) -> dict[str, float]:
     """Build the run from ``cfg`` and fit.
+
+    Unless the environment says otherwise, CUDA's allocator uses expandable segments
+    (:func:`configure_cuda_allocator`).
 
     Returns:
         The Trainer's final callback metrics as floats (``train/loss`` is the last logged step's).
@@ -455,6 +475,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         values, so they agree with the balance report.
     """
     _running.clear()  # an earlier run in this process must not lend its rank to this one's errors
+    configure_cuda_allocator()
     run = build(cfg)
     from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 

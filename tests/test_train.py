@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hydra import compose, initialize_config_dir, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
@@ -281,3 +282,32 @@ def test_final_summary_shows_fractions_as_percentages():
     text = _format_summary({"steps": 5, "tokens_per_s": 12345.6, "mfu": 0.4, "data_wait_frac": 0.0007,
                             "step_time_cv": 0.02, "peak_mem_gb": 28.37})
     assert text == "tokens_per_s 12,346, mfu 40.00%, data_wait_frac 0.07%, step_time_cv 2.00%, peak_mem_gb 28.37"
+
+
+def test_cuda_allocator_uses_expandable_segments_unless_the_environment_says_otherwise(monkeypatch):
+    from lightning_adaptiveload import train as train_mod
+
+    for key in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert train_mod.configure_cuda_allocator() is True
+    assert os.environ["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "backend:native")
+    assert train_mod.configure_cuda_allocator() is False and os.environ["PYTORCH_ALLOC_CONF"] == "backend:native"
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")  # the older name counts too
+    assert train_mod.configure_cuda_allocator() is False and "PYTORCH_ALLOC_CONF" not in os.environ
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # too late: leave it alone
+    assert train_mod.configure_cuda_allocator() is False and "PYTORCH_ALLOC_CONF" not in os.environ
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_allocator_setting_takes_effect_on_gpu():
+    code = ("from lightning_adaptiveload.train import configure_cuda_allocator as c; assert c(); import torch; "
+            "x = torch.empty(1 << 20, device='cuda'); "
+            "print(any(seg.get('is_expandable') for seg in torch.cuda.memory_snapshot()))")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "True", out.stderr

@@ -392,18 +392,21 @@ class CostModel:
 
 @dataclass(frozen=True)
 class MemoryModel:
-    """Peak training-step memory ``m0 + m1·B·S`` bytes.
+    """Peak training-step memory ``m0 + m1·B·S + m2·B`` bytes.
 
     Args:
         m0: Fixed bytes (weights, gradients, optimizer state, workspace).
         m1: Bytes per token of the batch (activations).
+        m2: Bytes per sample whatever its length (e.g. the text context and its cross-attention keys and
+            values); 0 when the profile cannot separate it from the per-token memory.
     """
 
     m0: float
     m1: float
+    m2: float = 0.0
 
     def __post_init__(self) -> None:
-        for name, v in (("m0", self.m0), ("m1", self.m1)):
+        for name, v in (("m0", self.m0), ("m1", self.m1), ("m2", self.m2)):
             if not math.isfinite(v) or v < 0:
                 raise ValueError(f"`MemoryModel({name}={v!r})` is not valid. Expected a finite non-negative number.")
         if self.m1 == 0:
@@ -411,7 +414,11 @@ class MemoryModel:
 
     @classmethod
     def fit(cls, batch_sizes: Any, seq_lens: Any, peak_bytes: Any) -> MemoryModel:
-        """Non-negative linear least squares of peak bytes on tokens ``B·S``.
+        """Non-negative least squares of peak bytes on tokens ``B·S`` and samples ``B``.
+
+        The per-sample term is fitted only when the points separate it: some sequence length profiled at two
+        batch sizes (otherwise ``B`` is a mix of the other two columns on the profiled points), and it stays 0
+        unless it lowers the residual.
 
         Raises:
             ValueError: On bad inputs, fewer than two distinct token counts, or a peak that does not grow
@@ -425,35 +432,62 @@ class MemoryModel:
                 f"per-token memory; got only {np.unique(tokens).tolist()}."
             )
         scale = float(m.max())
-        design = np.stack([np.ones_like(tokens), tokens / tokens.max()], axis=1)
-        (m0, m1n), _ = nnls(design, m / scale)
+        y = m / scale
+        two = np.stack([np.ones_like(tokens), tokens / tokens.max()], axis=1)
+        (m0, m1n), rss2 = nnls(two, y)
+        m2n = 0.0
+        if any(len(np.unique(b[s == v])) > 1 for v in np.unique(s)):
+            (c0, c1, c2), rss3 = nnls(np.column_stack([two, b / b.max()]), y)
+            # Kept only when it explains a systematic part of the residual, not the noise an extra
+            # column always absorbs (nnls returns residual norms).
+            if rss2 - rss3 > 1e-6 * float(np.linalg.norm(y)) and rss3 < 0.5 * rss2:
+                m0, m1n, m2n = c0, c1, c2
         if m1n <= 0:
             raise ValueError(
                 "`MemoryModel.fit`: measured peak memory does not grow with B·S "
                 f"(peaks {m.tolist()}); cannot derive a token budget from it. Pass `m_mem` explicitly."
             )
-        return cls(float(m0 * scale), float(m1n * scale / tokens.max()))
+        return cls(float(m0 * scale), float(m1n * scale / tokens.max()), float(m2n * scale / b.max()))
 
     def predict(self, batch_size: Any, seq_len: Any) -> np.ndarray | float:
         """Predicted peak bytes; broadcasts over numpy arrays."""
-        out = self.m0 + self.m1 * np.asarray(batch_size, dtype=np.float64) * np.asarray(seq_len, dtype=np.float64)
+        b = np.asarray(batch_size, dtype=np.float64)
+        out = self.m0 + self.m1 * b * np.asarray(seq_len, dtype=np.float64) + self.m2 * b
         return float(out) if np.ndim(out) == 0 else out
 
-    def max_tokens(self, device_memory: float, margin: float = 0.1, oom_tokens: Any = None) -> int:
-        """Token budget ``M_mem = floor((device_memory·(1 - margin) - m0) / m1)``.
+    def max_batch_size(self, seq_len: int, device_memory: float, margin: float = 0.1) -> int:
+        """Largest ``B`` whose predicted peak at ``seq_len`` leaves ``margin`` of ``device_memory`` free (0: none)."""
+        if not 0 <= margin < 1:
+            raise ValueError(f"`margin={margin!r}` is not valid. Expected a fraction in [0, 1).")
+        free = device_memory * (1.0 - margin) - self.m0
+        return max(0, math.floor(free / (self.m1 * seq_len + self.m2)))
+
+    def max_tokens(self, device_memory: float, margin: float = 0.1, oom_tokens: Any = None,
+                   min_seq_len: int | None = None) -> int:
+        """Token budget ``M_mem = floor((device_memory·(1 - margin) - m0) / (m1 + m2 / S_min))``.
+
+        With the per-sample term, a batch of ``M_mem`` tokens holds the most samples at the shortest
+        sequence length ``S_min``, so the budget is set there and holds for every longer one.
 
         Args:
             device_memory: Usable bytes of the device.
             margin: Fraction held back for fragmentation and allocator slack, in ``[0, 1)``.
             oom_tokens: Token counts ``B·S`` that ran out of memory while profiling; the budget is kept
                 below the smallest of them.
+            min_seq_len: The shortest sequence length that will be batched; required when ``m2 > 0``.
 
         Raises:
-            ValueError: If the margin is out of range or no token fits.
+            ValueError: If the margin is out of range, ``min_seq_len`` is missing, or no token fits.
         """
         if not 0 <= margin < 1:
             raise ValueError(f"`margin={margin!r}` is not valid. Expected a fraction in [0, 1).")
-        budget = math.floor((device_memory * (1.0 - margin) - self.m0) / self.m1)
+        per_token = self.m1
+        if self.m2 > 0:
+            if min_seq_len is None or min_seq_len < 1:
+                raise ValueError(f"`max_tokens(min_seq_len={min_seq_len!r})`: this model has per-sample memory "
+                                 f"(m2={self.m2:.0f} B); pass the shortest sequence length (>= 1).")
+            per_token += self.m2 / min_seq_len
+        budget = math.floor((device_memory * (1.0 - margin) - self.m0) / per_token)
         if oom_tokens is not None and len(oom_tokens):
             budget = min(budget, int(min(oom_tokens)) - 1)
         if budget < 1:
@@ -465,11 +499,11 @@ class MemoryModel:
 
     def to_dict(self) -> dict[str, float]:
         """A JSON-ready dict."""
-        return {"m0": self.m0, "m1": self.m1}
+        return {"m0": self.m0, "m1": self.m1, "m2": self.m2}
 
     @classmethod
     def from_dict(cls, data: Any) -> MemoryModel:
         """Inverse of :meth:`to_dict`."""
         if not isinstance(data, dict) or not {"m0", "m1"} <= set(data):
             raise ValueError(f"Not a serialised MemoryModel: {str(data)[:200]!r}. Expected keys m0 and m1.")
-        return cls(float(data["m0"]), float(data["m1"]))
+        return cls(float(data["m0"]), float(data["m1"]), float(data.get("m2", 0.0)))  # no m2: older records

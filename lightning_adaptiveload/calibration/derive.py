@@ -102,6 +102,7 @@ def memory_budget(
     margin: float = 0.1,
     pending_bytes: int = 0,
     longest_seq_len: int = 1,
+    shortest_seq_len: int | None = None,
 ) -> tuple[int, str]:
     """``(M_mem, how it was found)`` from a profile (see the module docstring).
 
@@ -109,8 +110,9 @@ def memory_budget(
     """
     oom_tokens = [m.batch_size * m.seq_len for m in measurements if m.status == "oom"]
     if memory_model is not None and device_memory:
-        with_optimizer = MemoryModel(memory_model.m0 + pending_bytes, memory_model.m1)
-        return with_optimizer.max_tokens(device_memory, margin, oom_tokens), "memory model"
+        with_optimizer = MemoryModel(memory_model.m0 + pending_bytes, memory_model.m1, memory_model.m2)
+        shortest = shortest_seq_len or min((m.seq_len for m in measurements), default=1)
+        return with_optimizer.max_tokens(device_memory, margin, oom_tokens, min_seq_len=shortest), "memory model"
     ok_tokens = [m.batch_size * m.seq_len for m in measurements if m.status == "ok"]
     m_mem = max([int(longest_seq_len)] + ok_tokens)
     if oom_tokens:

@@ -17,7 +17,12 @@ through the collectives, so all ranks run the same steps. Bounds:
 - the run stops starting new shapes once ``time_budget_s`` is spent and every sequence length has one
   measurement (the first pass), and shapes after the first pass get at most the budget that is left;
 - a shape that runs out of memory on any rank ends that sequence length's larger batches, and when
-  it happens at B = 1 every longer sequence too (memory grows with tokens).
+  it happens at B = 1 every longer sequence too (memory grows with tokens);
+- with a ``memory_limit`` (bytes a step may peak at), every shape after the first pass has its batch
+  size capped at what a memory model fitted to the peaks measured so far
+  (:class:`~lightning_adaptiveload.calibration.costmodel.MemoryModel`) predicts to fit, so the largest
+  batches profiled are the ones training will use (a measurement, not an extrapolation) and no time
+  goes to compiling and running shapes that cannot fit. A capped shape already measured is skipped.
 """
 
 from __future__ import annotations
@@ -212,6 +217,7 @@ def profile(
     progress: Callable[[str], None] | None = None,
     clock: Callable[[], float] | None = None,
     compile_clock: Callable[[], float] | None = None,
+    memory_limit: float | None = None,
 ) -> list[Measurement]:
     """Profile ``plan`` (see the module docstring) and return one :class:`Measurement` per shape.
 
@@ -232,6 +238,8 @@ def profile(
         compile_clock: cumulative seconds spent compiling (e.g.
             :func:`lightning_adaptiveload.models.compiling.compile_seconds`); see the module docstring. ``None``:
             nothing compiles, warm-up steps are never timed.
+        memory_limit: bytes a step may peak at (device memory less margin and optimizer state still to
+            come); caps the batch sizes after the first pass (see the module docstring). Needs ``memory.peak``.
 
     Raises:
         ValueError: bad arguments.
@@ -255,6 +263,15 @@ def profile(
     start = clock()
     stopped = False
     for i, shape in enumerate(plan):
+        if i >= first_pass and memory_limit is not None and memory.peak is not None:
+            capped = _cap_batch(shape, out, memory_limit)
+            if capped != shape.batch_size:
+                say(f"shape {i + 1}/{n}: B={shape.batch_size} grid={shape.grid} is predicted above the memory "
+                    f"limit; " + (f"B={capped} instead" if capped else "skipped"))
+            if not capped or any(m.batch_size == capped and m.grid == shape.grid for m in out):
+                out.append(Measurement(shape.batch_size, shape.grid, shape.seq_len, None, None, "skipped"))
+                continue
+            shape = Shape(capped, shape.grid)
         b, grid, s = shape.batch_size, shape.grid, shape.seq_len
         elapsed = clock() - start
         if i >= first_pass and coll.broadcast(elapsed >= time_budget_s):
@@ -283,6 +300,22 @@ def profile(
     return out
 
 
+def _cap_batch(shape: Shape, done: Sequence[Measurement], memory_limit: float) -> int:
+    """``shape``'s batch size, lowered to what the peaks measured so far predict to fit (0: none fits).
+
+    Kept as is while no memory model can be fitted (fewer than two token counts measured)."""
+    from lightning_adaptiveload.calibration.costmodel import MemoryModel
+
+    ok = [m for m in done if m.status == "ok" and m.peak_bytes is not None]
+    try:
+        model = MemoryModel.fit([m.batch_size for m in ok], [m.seq_len for m in ok], [m.peak_bytes for m in ok])
+    except ValueError:
+        return shape.batch_size
+    # Never above a batch measured to fit at this length (the fit may undershoot a point).
+    fits = max([0] + [m.batch_size for m in ok if m.seq_len == shape.seq_len])
+    return min(shape.batch_size, max(fits, model.max_batch_size(shape.seq_len, memory_limit, margin=0.0)))
+
+
 def _profile_one(make_step, shape: Shape, coll: Collectives, warmup: int, repeats: int, limit: float,
                  sync, memory: MemoryProbe, on_oom, say, label: str, clock, compile_clock=None) -> Measurement:
     b, grid, s = shape.batch_size, shape.grid, shape.seq_len
@@ -301,8 +334,9 @@ def _profile_one(make_step, shape: Shape, coll: Collectives, warmup: int, repeat
         for k in range(max_steps):
             if len(times) >= repeats:
                 break
-            # Ranks agree on whether to start another step: rank 0's clock decides.
-            if times and coll.broadcast(clock() - t_shape >= limit):
+            # Ranks agree on whether to start another step: rank 0's clock decides. Compiling does not
+            # count against the shape's time (it is paid once, and training would pay it anyway).
+            if times and coll.broadcast(clock() - t_shape - (compiled() - c_shape) >= limit):
                 break
             sync()
             c0 = compiled()

@@ -94,7 +94,7 @@ class ShapeBenchmarkCallback(Callback):
         max_shapes: Number of distinct sequence lengths to profile, spread over the dataset's range.
         repeats: At most this many timed steps per shape (the median is kept).
         warmup: Untimed steps per shape before timing.
-        shape_time_s: A shape starts no new step after this many seconds (one timed step is kept).
+        shape_time_s: A shape starts no new step after this many seconds, compile time excluded (one timed step is kept).
         time_budget_s: No new shape is started after this many seconds, once every sequence length
             has been measured; later shapes get only what is left.
         form: Cost-model form: ``"auto"``, ``"power"``, ``"quadratic"`` or ``"saturating"``
@@ -349,9 +349,10 @@ class ShapeBenchmarkCallback(Callback):
                     choice = self._choose_checkpointing(trainer, pl_module, make_step, buckets, plan, common,
                                                         device_memory, pending)
                     extra["checkpointing"] = choice.to_dict()
+                limit = None if device_memory is None else device_memory * (1.0 - self.memory_margin) - pending
                 measurements = profile(
                     make_step, plan, warmup=self.warmup, repeats=self.repeats, shape_time_s=self.shape_time_s,
-                    time_budget_s=self.time_budget_s, **common,
+                    time_budget_s=self.time_budget_s, memory_limit=limit, **common,
                 )
         finally:
             _clear_grads(trainer, pl_module)
@@ -437,7 +438,8 @@ class ShapeBenchmarkCallback(Callback):
             else:
                 m_mem, how = derive.memory_budget(
                     cal.measurements, cal.memory_model, cal.device_memory, margin=self.memory_margin,
-                    pending_bytes=cal.optimizer_bytes, longest_seq_len=s_max)
+                    pending_bytes=cal.optimizer_bytes, longest_seq_len=s_max,
+                    shortest_seq_len=int(grids.prod(axis=1).min()))
                 rank_zero_info(f"`ShapeBenchmarkCallback`: M_mem = {m_mem:,} tokens ({how})")
             _check_oversize(grids, counts, m_mem, oversize)
             budget = self.step_budget_s

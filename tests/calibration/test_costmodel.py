@@ -276,3 +276,29 @@ def test_policy_from_a_saturating_model_is_the_largest_batch_within_the_budget()
         assert cm.predict(bsz + 1, seq) > 2.0 or (bsz + 1) * seq > 500_000
     # By hand: B = 57 at S = 1,560 gives t = (0.3³ + 1.9726³)^(1/3) = 1.975 s; B = 58 has work 2.007 s.
     assert [policy.batch_size(seq) for seq in (1560, 7800, 32760)] == [57, 8, 1]
+
+
+def test_memory_model_per_sample_term():
+    # Two batch sizes at one length separate the per-sample bytes (text context, cross-attention K/V).
+    b = np.array([1, 1, 1, 6, 3, 2])
+    s = np.array([1560, 7800, 32760, 1560, 7800, 14040])
+    m0, m1, m2 = 14e9, 3e6, 1.5e8
+    mm = MemoryModel.fit(b, s, m0 + m1 * b * s + m2 * b)
+    assert (mm.m0, mm.m1, mm.m2) == pytest.approx((m0, m1, m2), rel=1e-9)
+    # At B = 1 only, B is the constant column: no per-sample term, the same line as before.
+    only_b1 = MemoryModel.fit(b[:3], s[:3], (m0 + m1 * b * s + m2 * b)[:3])
+    assert only_b1.m2 == 0.0 and only_b1.m0 == pytest.approx(m0 + m2, rel=1e-9)
+    assert mm.predict(23, 1560) == pytest.approx(m0 + m1 * 23 * 1560 + m2 * 23)
+    mem, margin = 150e9, 0.1
+    # The token budget holds at the shortest length, where a budget of tokens is the most samples.
+    t = mm.max_tokens(mem, margin, min_seq_len=1560)
+    assert t == math.floor((mem * 0.9 - m0) / (m1 + m2 / 1560))
+    assert mm.predict(t // 1560, 1560) <= mem * 0.9 < mm.predict(t // 1560 + 2, 1560)
+    assert mm.max_batch_size(1560, mem, margin) == math.floor((mem * 0.9 - m0) / (m1 * 1560 + m2))
+    assert mm.max_batch_size(10**9, mem, margin) == 0
+    with pytest.raises(ValueError, match="pass the shortest sequence length"):
+        mm.max_tokens(mem, margin)
+    assert MemoryModel.from_dict(mm.to_dict()) == mm
+    assert MemoryModel.from_dict({"m0": 1.0, "m1": 2.0}) == MemoryModel(1.0, 2.0, 0.0)  # an older record
+    with pytest.raises(ValueError, match="m2=-1"):
+        MemoryModel(1.0, 2.0, -1.0)

@@ -110,6 +110,12 @@ def test_memory_budget_rules():
     m_mem, how = memory_budget(ok[:2], None, None, longest_seq_len=20)
     assert how == "largest profiled batch" and m_mem == 32
     assert memory_budget(ok[:2], None, None, longest_seq_len=50)[0] == 50
+    # With per-sample bytes the budget is set at the corpus's shortest length (given, else the shortest profiled).
+    per_sample = MemoryModel(1000.0, 10.0, 40.0)
+    assert memory_budget(ok[:2], per_sample, 10_000, margin=0.1, pending_bytes=500, shortest_seq_len=8)[0] == \
+        math.floor((10_000 * 0.9 - 1500) / (10.0 + 40.0 / 8)) == 500
+    assert memory_budget(ok[:2], per_sample, 10_000, margin=0.1, pending_bytes=500)[0] == \
+        math.floor((10_000 * 0.9 - 1500) / (10.0 + 40.0 / 4))
     assert pending_optimizer_bytes(1000, has_state=False) == 8000
     assert pending_optimizer_bytes(1000, has_state=True) == 0
 

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_adaptiveload.calibration.profile import Measurement, Shape, plan_grid, profile
+from lightning_adaptiveload.calibration.profile import Measurement, MemoryProbe, Shape, plan_grid, profile
 
 
 class Clock:
@@ -177,3 +177,69 @@ def test_compile_clock_keeps_a_time_when_every_step_compiles():
     m = profile(_compiling_stepper(clock, iter([7.0, 6.0, 5.0, 4.0, 3.0]), cc, calls), [Shape(1, (1, 1, 4))],
                 warmup=1, repeats=2, shape_time_s=100, clock=clock, compile_clock=cc)
     assert len(calls) == 5 and m[0].timed_steps == 1 and m[0].time_s == 3.0
+
+
+def _memory_stepper(clock, peak_of, oom_above, calls):
+    """make_step whose step's peak is peak_of(B, S) bytes and which runs out of memory above `oom_above`."""
+    state = {"peak": 0}
+
+    def make_step(b, grid):
+        s = int(np.prod(grid))
+
+        def step():
+            calls.append((b, s))
+            if peak_of(b, s) > oom_above:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+            state["peak"] = max(state["peak"], peak_of(b, s))
+            clock.t += 0.01 * b * s
+
+        return step
+
+    probe = MemoryProbe(reset=lambda: state.update(peak=0), peak=lambda: state["peak"])
+    return make_step, probe
+
+
+def test_memory_limit_caps_later_batches_at_the_fitted_model():
+    m0, m1, m2 = 1_000, 10, 50  # bytes: fixed, per token, per sample
+    peak_of = lambda b, s: m0 + m1 * b * s + m2 * b  # noqa: E731
+    limit = 12_000
+    cap = lambda s: (limit - m0) // (m1 * s + m2)  # noqa: E731  # 73, 24, 10 at S = 10, 40, 100
+    plan = [Shape(1, (1, 1, 10)), Shape(1, (1, 1, 40)), Shape(1, (1, 1, 100)),  # first pass: never capped
+            Shape(8, (1, 1, 10)),   # fits as planned; with it the per-sample term is separable
+            Shape(50, (1, 1, 40)), Shape(200, (1, 1, 10)), Shape(30, (1, 1, 100)),  # capped
+            Shape(10, (1, 1, 100))]  # the capped B=10 at S=100 already ran: skipped
+    clock, calls, lines = Clock(), [], []
+    make_step, probe = _memory_stepper(clock, peak_of, limit, calls)
+    out = profile(make_step, plan, warmup=0, repeats=1, memory=probe, memory_limit=limit, clock=clock,
+                  progress=lines.append)
+    got = [(x.batch_size, x.seq_len, x.status) for x in out]
+    assert got == [(1, 10, "ok"), (1, 40, "ok"), (1, 100, "ok"), (8, 10, "ok"), (cap(40), 40, "ok"),
+                   (cap(10), 10, "ok"), (cap(100), 100, "ok"), (10, 100, "skipped")]
+    assert (cap(40), cap(10), cap(100)) == (24, 73, 10)
+    assert all(peak_of(b, s) <= limit for b, s in calls)  # nothing ran out of memory
+    assert any("B=50 grid=(1, 1, 40) is predicted above the memory limit; B=24 instead" in line for line in lines)
+    # Without the limit the same plan runs into out-of-memory errors.
+    clock, calls = Clock(), []
+    make_step, probe = _memory_stepper(clock, peak_of, limit, calls)
+    plain = profile(make_step, plan, warmup=0, repeats=1, memory=probe, clock=clock)
+    assert [x.status for x in plain][4:7] == ["oom", "oom", "oom"]
+
+
+def test_memory_limit_skips_a_length_where_nothing_fits_and_never_caps_below_a_measured_fit():
+    from lightning_adaptiveload.calibration.profile import _cap_batch
+
+    done = [Measurement(1, (1, 1, 10), 10, 0.1, 1_100, "ok"), Measurement(1, (1, 1, 20), 20, 0.1, 1_200, "ok"),
+            Measurement(4, (1, 1, 20), 20, 0.1, 2_000, "ok")]  # above the linear model's line
+    assert _cap_batch(Shape(9, (1, 1, 20)), done, memory_limit=1_500) == 4  # measured to fit
+    assert _cap_batch(Shape(9, (1, 1, 50)), done, memory_limit=1_000) == 0  # nothing fits
+    assert _cap_batch(Shape(9, (1, 1, 50)), done[:1], memory_limit=1_000) == 9  # no model from one point
+
+
+def test_shape_time_excludes_compile_time():
+    clock, calls = Clock(), []
+    cc = CompileClock({0})  # the first step compiles for 5 s on the compile clock ...
+    durations = iter([40.0, 2.0, 2.0, 2.0])  # ... and takes 40 s of wall time, above shape_time_s
+    m = profile(_compiling_stepper(clock, durations, cc, calls), [Shape(1, (1, 1, 4))], warmup=1, repeats=3,
+                shape_time_s=39.0, clock=clock, compile_clock=cc)
+    # 40 s - 5 s compiling = 35 s < 39 s: a second timed step starts; then 37 s: a third; then 39 s: stop.
+    assert m[0].timed_steps == 2 and len(calls) == 3
