@@ -112,6 +112,10 @@ def _linear_warmup(step: int, warmup_steps: int) -> float:
     return min(1.0, (step + 1) / warmup_steps)
 
 
+#: ``FlowMatchingModule(optimizer_impl=...)`` values.
+OPTIMIZER_IMPLS = ("auto", "fused", "foreach")
+
+
 class FlowMatchingModule(pl.LightningModule):
     """Trains a :class:`~lightning_adaptiveload.models.wan.WanModel` with Wan's rectified-flow objective.
 
@@ -163,6 +167,11 @@ class FlowMatchingModule(pl.LightningModule):
             and the head keep fp32 parameters, as the reference computes them in fp32. bf16 needs
             ``Trainer(precision="bf16-mixed")`` (autocast runs the matmuls); the block parameters,
             the modulation included, are then bf16 in forward, fp32 in the optimizer.
+        optimizer_impl: AdamW's implementation: ``"fused"`` (one kernel for the whole update),
+            ``"foreach"`` (PyTorch's default on GPU), or ``"auto"``: fused when every parameter is on a
+            CUDA device, the strategy is not FSDP1 (flat parameters) and no fp16 gradient scaler is used
+            (it needs the unscaled gradients before clipping), else PyTorch's default. Gradient clipping
+            works with either (see :meth:`configure_gradient_clipping`).
 
     Timesteps and noise of a training micro-batch come from a ``torch.Generator`` on the batch's
     device seeded by :func:`draw_seed` from (seed, global step, global rank, micro-batch index
@@ -203,8 +212,13 @@ class FlowMatchingModule(pl.LightningModule):
         compile: bool = False,
         pretrained: str | None = None,
         fsdp_param_dtype: str = "bfloat16",
+        optimizer_impl: str = "auto",
     ) -> None:
         super().__init__()
+        if optimizer_impl not in OPTIMIZER_IMPLS:
+            raise ValueError(
+                f"`FlowMatchingModule(optimizer_impl={optimizer_impl!r})` is not valid. Expected one of {list(OPTIMIZER_IMPLS)}."
+            )
         if not isinstance(compile, bool):
             raise ValueError(f"`FlowMatchingModule(compile={compile!r})` is not valid. Expected true or false.")
         if fsdp_param_dtype not in _PARAM_DTYPES:
@@ -563,7 +577,13 @@ class FlowMatchingModule(pl.LightningModule):
         """Clip by the global norm; under FSDP through the wrapper, which sums the shards' norms.
 
         Lightning's FSDP precision plugin refuses norm clipping, yet the sharded model can do it.
+        Lightning's mixed-precision plugin also refuses to clip for an optimizer that unscales
+        gradients inside ``step`` (fused AdamW), which matters only with fp16's gradient scaler: with
+        bf16 (no scaler) the gradients are already unscaled, so the base precision plugin's clipping
+        runs, the same ``clip_grad_norm_`` / ``clip_grad_value_`` on the optimizer's parameters.
         """
+        from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+        from lightning.pytorch.utilities import GradClipAlgorithmType
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         model = self.trainer.model
@@ -575,7 +595,28 @@ class FlowMatchingModule(pl.LightningModule):
                 )
             model.clip_grad_norm_(gradient_clip_val)
             return
+        plugin = self.trainer.precision_plugin
+        if (gradient_clip_val and getattr(optimizer, "_step_supports_amp_scaling", False)
+                and isinstance(plugin, MixedPrecision) and plugin.scaler is None):
+            algorithm = GradClipAlgorithmType(gradient_clip_algorithm or GradClipAlgorithmType.NORM)
+            Precision.clip_gradients(plugin, optimizer, gradient_clip_val, algorithm)
+            return
         self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    @property
+    def fused_optimizer(self) -> bool:
+        """Whether :meth:`configure_optimizers` builds a fused AdamW (see ``optimizer_impl``)."""
+        impl = self.hparams.get("optimizer_impl", "auto")
+        if impl != "auto":
+            return impl == "fused"
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        trainer = self._trainer
+        if trainer is not None and (isinstance(trainer.strategy, FSDPStrategy)
+                                    or getattr(trainer.precision_plugin, "scaler", None) is not None):
+            return False
+        params = [p for p in self.parameters() if p.requires_grad]
+        return bool(params) and all(p.device.type == "cuda" for p in params)
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
@@ -585,6 +626,7 @@ class FlowMatchingModule(pl.LightningModule):
             betas=tuple(hp.betas),
             eps=hp.eps,
             weight_decay=hp.weight_decay,
+            **({"fused": True} if self.fused_optimizer else {}),
         )
         if hp.warmup_steps == 0:
             return optimizer
@@ -592,3 +634,4 @@ class FlowMatchingModule(pl.LightningModule):
             optimizer, functools.partial(_linear_warmup, warmup_steps=hp.warmup_steps)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+

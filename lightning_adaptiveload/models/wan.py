@@ -616,7 +616,10 @@ class WanModel(nn.Module):
         if context.shape[1] < cfg.text_len:
             context = F.pad(context, (0, 0, 0, cfg.text_len - context.shape[1]))
 
-        tokens = self.patch_embedding(x).flatten(2).transpose(1, 2)  # [B, S, D]
+        # [B, S, D] in fp32: the residual stream is fp32 from the first block's update on (as in Wan), so
+        # upcasting the embedding (exact) changes no value and gives every block inputs of one dtype; else
+        # block 0 sees the bf16 of autocast and the rest fp32, and compiled blocks compile both.
+        tokens = self.patch_embedding(x).flatten(2).transpose(1, 2).float()
 
         # Time embedding and its projection in fp32 (the reference asserts fp32 modulation).
         with torch.autocast(device_type=x.device.type, enabled=False):

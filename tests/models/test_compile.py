@@ -131,3 +131,21 @@ def test_inductor_checkpointing_modes_match_eager_on_gpu():
         for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
             rel = (p.grad - q.grad).norm() / q.grad.norm().clamp_min(1e-12)
             assert rel < 3e-2, f"{mode} {name}: relative gradient difference {rel:.3g}"
+
+
+def test_compiled_blocks_under_bf16_autocast_compile_one_graph_for_every_block():
+    # Under autocast the patch embedding gives bf16; the residual stream is fp32 after block 0. Every
+    # block must still get one dtype, or block 0 compiles a graph of its own (seen on the H200: 8
+    # graphs instead of 4 for the 1.3B recipe's profile).
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = WanModel("tiny")
+    counter = torch._dynamo.testing.CompileCounter()
+    model.compile_blocks(backend=counter)
+    cfg = model.config
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for f, h, w in GRIDS[:3]:
+            x = torch.randn(3, cfg.in_dim, f, 2 * h, 2 * w)
+            out = model(x, torch.rand(3) * 1000, torch.randn(3, cfg.text_len, cfg.text_dim))
+            out.float().square().mean().backward()
+    assert counter.frame_count == 1

@@ -417,3 +417,62 @@ def test_gradient_clipping_under_fsdp_goes_through_the_wrapper(monkeypatch):
     wrapper.clip_grad_norm_.assert_called_once_with(1.0)
     with pytest.raises(ValueError, match="gradient_clip_algorithm='value'"):
         module.configure_gradient_clipping(MagicMock(), gradient_clip_val=1.0, gradient_clip_algorithm="value")
+
+
+class _GradNorms(pl.Callback):
+    """The global gradient norm the optimizer stepped with (gradients are still there before zero_grad)."""
+
+    def __init__(self):
+        self.norms = []
+
+    def on_before_zero_grad(self, trainer, pl_module, optimizer):
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        if grads:
+            self.norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+
+
+def _fit_bf16(tmp_path, optimizer_impl, clip, steps):
+    from lightning_adaptiveload.bucketing.policy import EqualTokenPolicy
+    from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+    from lightning_adaptiveload.data.synthetic import SyntheticMixedDataset
+
+    pl.seed_everything(0)
+    dataset = SyntheticMixedDataset(8, [{"num_frames": 1, "height": 64, "width": 64, "weight": 1.0}],
+                                    text_len=16, text_dim=32)
+    module = FlowMatchingModule("tiny", lr=1e-2, seed=0, optimizer_impl=optimizer_impl)
+    norms = _GradNorms()
+    trainer = pl.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                         precision="bf16-mixed", gradient_clip_val=clip, callbacks=[norms])
+    trainer.fit(module, datamodule=AdaptiveLoadDataModule(dataset, EqualTokenPolicy(128)))
+    (opt,) = trainer.optimizers
+    assert bool(opt.defaults.get("fused")) == (optimizer_impl == "fused")
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}, norms.norms
+
+
+def test_fused_adamw_clips_under_bf16_like_foreach(tmp_path):
+    # Lightning's mixed-precision plugin refuses to clip for fused optimizers (an fp16-scaler rule);
+    # with bf16 the module clips itself, as Lightning clips for the foreach optimizer.
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    clip = 1e-3
+    fused, fused_norms = _fit_bf16(tmp_path / "fused", "fused", clip, steps=2)
+    foreach, foreach_norms = _fit_bf16(tmp_path / "foreach", "foreach", clip, steps=1)
+    _, raw_norms = _fit_bf16(tmp_path / "unclipped", "fused", None, steps=2)
+    assert all(n == pytest.approx(clip, rel=1e-3) for n in fused_norms + foreach_norms)  # clipped to the norm
+    assert min(raw_norms) > 10 * clip
+    one, _ = _fit_bf16(tmp_path / "fused1", "fused", clip, steps=1)
+    for name, p in one.items():  # the same update as foreach's (later steps go through bf16 rounding)
+        torch.testing.assert_close(p, foreach[name], rtol=0, atol=1e-7, msg=name)
+    with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
+        opt = torch.optim.AdamW([nn.Parameter(torch.zeros(2))], fused=True)
+        MixedPrecision("bf16-mixed", "cpu").clip_gradients(opt, 1.0)
+
+
+def test_optimizer_impl_auto_picks_fused_only_on_cuda_and_rejects_bad_names(monkeypatch):
+    module = FlowMatchingModule("tiny", optimizer_impl="auto")
+    module.configure_model()
+    assert module.fused_optimizer is False  # parameters on the CPU
+    assert FlowMatchingModule("tiny", optimizer_impl="fused").fused_optimizer is True
+    with pytest.raises(ValueError, match="optimizer_impl='adam'.*Expected one of"):
+        FlowMatchingModule("tiny", optimizer_impl="adam")
