@@ -234,6 +234,9 @@ def _per_shape(rows: list[dict[str, Any]], warmup: int, shapes, peak_tflops: flo
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
+    from lightning_adaptiveload.train import configure_cuda_allocator
+
+    configure_cuda_allocator()  # as adaptiveload-train does
     import torch
 
     shapes = _parse_shapes(args.shapes)

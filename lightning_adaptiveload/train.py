@@ -441,6 +441,8 @@ def _format_summary(summary: dict[str, float]) -> str:
             parts.append(f"{key} {value:.2%}")
         elif key == "tokens_per_s":
             parts.append(f"{key} {value:,.0f}")
+        elif key == "alloc_retries":
+            parts.append(f"{key} {int(value)} in total")
         else:
             parts.append(f"{key} {value:.4g}")
     return ", ".join(parts)

@@ -37,7 +37,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
 from lightning_adaptiveload.bucketing.metrics import bubble_fraction, compute_imbalance_rate, sync_overhead
@@ -45,10 +45,17 @@ from lightning_adaptiveload.bucketing.policy import CostPredictor
 from lightning_adaptiveload.bucketing.sequence_parallel import sp_cost_function
 from lightning_adaptiveload.geometry import tokens_of
 
-_FIELDS = ("step_time", "forward_time", "compute", "tokens", "peak_mem", "flops", "data_wait")
+_FIELDS = ("step_time", "forward_time", "compute", "tokens", "peak_mem", "flops", "data_wait", "alloc_retries")
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by device name, for MFU. Others: pass `peak_tflops`.
 PEAK_BF16_TFLOPS: dict[str, float] = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0,
                                       "L40S": 362.0, "B200": 2250.0}
+
+
+def _alloc_retries(device: torch.device) -> int:
+    """CUDA's count of allocations that freed the cache and retried (0 off CUDA)."""
+    if device.type != "cuda":
+        return 0
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
 
 
 def _device_peak_tflops(device: torch.device) -> float | None:
@@ -93,7 +100,10 @@ class BalanceMonitor(Callback):
     ``balance/forward_time_cv``, ``balance/compute_cv``, ``balance/bubble``, ``balance/tokens_per_s``,
     ``balance/peak_mem_gb`` (max over ranks), ``train/data_wait_frac`` (the largest over ranks of
     data wait / (data wait + step time), see the module docstring) and, when the module has
-    ``flops_per_sample``, ``balance/tflops_per_gpu`` and ``balance/mfu``. At the end of fit, rank 0 prints a balance report
+    ``flops_per_sample``, ``balance/tflops_per_gpu`` and ``balance/mfu``; on CUDA also
+    ``balance/alloc_retries`` (the most over ranks of the times CUDA's caching allocator had to free its
+    cache and retry an allocation in the step; each retry synchronises the device, and the first one
+    warns, naming the fix). At the end of fit, rank 0 prints a balance report
     (rich table, one row per rank, plus the run's means over the steps after ``warmup_steps``).
 
     Args:
@@ -157,6 +167,8 @@ class BalanceMonitor(Callback):
         self._wait = 0.0  # data wait before the current batch
         self._paused = 0.0  # validation time inside the current gap (not data wait)
         self._t_val: float | None = None
+        self._retries0 = 0
+        self._warned_retries = False
         self._reset_totals(0)
 
     def _reset_totals(self, world_size: int) -> None:
@@ -207,6 +219,7 @@ class BalanceMonitor(Callback):
                              batch_idx: int) -> None:
         if pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
+        self._retries0 = _alloc_retries(pl_module.device)
         self._t_fwd = None
         self._t0 = self._now(pl_module.device)
         self._wait = 0.0 if self._t_end is None else max(0.0, self._t0 - self._t_end - self._paused)
@@ -242,10 +255,20 @@ class BalanceMonitor(Callback):
         peak = torch.cuda.max_memory_allocated(pl_module.device) if pl_module.device.type == "cuda" else 0
         flops_fn = getattr(pl_module, "flops_per_sample", None)
         flops = float(b) * float(flops_fn(s)) / degree if callable(flops_fn) else 0.0
+        retries = float(_alloc_retries(pl_module.device) - self._retries0)
         local = torch.tensor([step_time, forward_time, self._predicted_compute(b, s, degree), float(b * s) / degree,
-                              float(peak), flops, self._wait], dtype=torch.float64, device=pl_module.device)
+                              float(peak), flops, self._wait, retries], dtype=torch.float64, device=pl_module.device)
         gathered = trainer.strategy.all_gather(local)
         rows = gathered.reshape(-1, len(_FIELDS)).cpu().numpy()
+        if rows[:, 7].max() > 0 and not self._warned_retries:
+            self._warned_retries = True
+            rank_zero_warn(
+                f"`BalanceMonitor`: at step {trainer.global_step} CUDA's caching allocator freed its cache and retried "
+                f"an allocation {int(rows[:, 7].max())} time(s) on a rank; each retry synchronises the device and slows "
+                f"the step. Memory is near capacity for a B={b} S={s:,} batch: raise "
+                "`callbacks.shape_benchmark.memory_margin`, or set PYTORCH_ALLOC_CONF=expandable_segments:True "
+                "(adaptiveload-train sets it unless the environment has a setting)."
+            )
         self._seen += 1
         self._accumulate(rows, counted=self._seen > self.warmup_steps)
         if (batch_idx + 1) % self.log_every_n_steps == 0:
@@ -256,7 +279,7 @@ class BalanceMonitor(Callback):
     def _accumulate(self, rows: np.ndarray, counted: bool = True) -> None:
         if self._per_rank_sum.shape[0] != rows.shape[0]:
             self._reset_totals(rows.shape[0])
-        t, fwd, comp, tokens, peak, flops, wait = (rows[:, i] for i in range(len(_FIELDS)))
+        t, fwd, comp, tokens, peak, flops, wait, retries = (rows[:, i] for i in range(len(_FIELDS)))
         max_t = float(t.max())
         metrics = {
             "balance/step_time_cv": float(sync_overhead(t)),
@@ -266,6 +289,7 @@ class BalanceMonitor(Callback):
             "balance/tokens_per_s": float(tokens.sum() / max_t) if max_t > 0 else 0.0,
             "balance/peak_mem_gb": float(peak.max() / 2**30),
             "train/data_wait_frac": float(_wait_fraction(wait, t).max()),
+            "balance/alloc_retries": float(retries.max()),
         }
         if flops.sum() > 0 and max_t > 0:
             # Model FLOPs of all ranks over the slowest rank's time, per GPU.
@@ -302,6 +326,7 @@ class BalanceMonitor(Callback):
         out["peak_mem_gb"] = float(self._peak.max() / 2**30) if self._peak.size else 0.0
         # Time-weighted per rank (total wait over total wall time), the largest over ranks.
         out["data_wait_frac"] = float(_wait_fraction(self._per_rank_sum[:, 6], self._per_rank_sum[:, 0]).max())
+        out["alloc_retries"] = float(self._per_rank_sum[:, 7].max()) if self._per_rank_sum.size else 0.0  # a total
         out["steps"] = float(self._steps)
         return out
 
@@ -333,4 +358,5 @@ class BalanceMonitor(Callback):
             f"step-time CV {s['step_time_cv']:.2%} | forward CV {s['forward_time_cv']:.2%} | "
             f"compute CV {s['compute_cv']:.2%} | bubble {s['bubble']:.2%} | tokens/s {s['tokens_per_s']:,.0f}{mfu} | "
             f"data wait {s['data_wait_frac']:.2%} of step time"
+            + (f" | allocator retries {int(s['alloc_retries'])}" if s.get("alloc_retries") else "")
         )
