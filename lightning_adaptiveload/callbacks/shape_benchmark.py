@@ -35,6 +35,12 @@ from lightning_adaptiveload.reporting import plot_calibration, print_calibration
 _STATE_VERSION = 2
 
 
+#: How profiling chooses shapes and what its memory model holds; part of the calibration key, so a
+#: calibration from an earlier profiler is profiled again rather than reused. 2: batch sizes capped at
+#: the memory fitted so far, and a per-sample memory term (a linear-only model under-predicted image
+#: batches enough to run out of memory).
+PROFILE_VERSION = 2
+
 class _StrategyCollectives:
     """:class:`~lightning_adaptiveload.calibration.profile.Collectives` over a Lightning strategy."""
 
@@ -513,6 +519,7 @@ class ShapeBenchmarkCallback(Callback):
             "repeats": [self.warmup, self.repeats],
             # "auto" or the fixed mode: a cached "auto" record carries the mode it chose.
             "checkpointing": getattr(pl_module, "checkpointing", None),
+            "profile": PROFILE_VERSION,
         }
 
 

@@ -289,6 +289,20 @@ def test_cache_reuse_and_force(tmp_path):
     assert forced.profiled and forced.calibration.to_json() != first.calibration.to_json()
 
 
+def test_a_calibration_from_an_earlier_profiler_is_not_reused(tmp_path, monkeypatch):
+    from lightning_adaptiveload.callbacks import shape_benchmark
+
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(shape_benchmark, "PROFILE_VERSION", 1)
+    old = _cb(tmp_path, cache_dir=cache)
+    _trainer(tmp_path, old).fit(TinyModule(), datamodule=TinyDataModule())
+    assert old.profiled and old.calibration.key["profile"] == 1
+    monkeypatch.setattr(shape_benchmark, "PROFILE_VERSION", 2)
+    new = _cb(tmp_path, cache_dir=cache)
+    _trainer(tmp_path, new).fit(TinyModule(), datamodule=TinyDataModule())
+    assert new.profiled and new.calibration.key["profile"] == 2  # profiled again, not read from the cache
+
+
 def test_resume_from_checkpoint_does_not_profile(tmp_path):
     first, dm1 = _cb(tmp_path), TinyDataModule()
     trainer = _trainer(tmp_path, first)
