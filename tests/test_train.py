@@ -311,3 +311,11 @@ def test_cuda_allocator_setting_takes_effect_on_gpu():
     env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "True", out.stderr
+
+
+def test_compile_options_from_the_command_line(tmp_path):
+    cfg = _compose(["model=tiny", "model.compile=true",
+                    "model.compile_options={triton.mix_order_reduction_non_strict_mode:true}"], tmp_path)
+    module = instantiate(cfg.model)
+    assert module.hparams.compile_options == {"triton.mix_order_reduction_non_strict_mode": True}
+    assert instantiate(_compose(["model=tiny"], tmp_path).model).hparams.compile_options is None

@@ -112,6 +112,29 @@ def _linear_warmup(step: int, warmup_steps: int) -> float:
     return min(1.0, (step + 1) / warmup_steps)
 
 
+def _check_compile_options(options: Mapping[str, Any] | None, compile: bool) -> dict[str, Any] | None:
+    """``compile_options`` as a plain dict, checked against inductor's option names."""
+    if options is None or (isinstance(options, Mapping) and not options):
+        return None
+    if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
+        raise ValueError(f"`FlowMatchingModule(compile_options={options!r})` is not valid. Expected a mapping of "
+                         "inductor option names to values, e.g. {'triton.mix_order_reduction_non_strict_mode': True}.")
+    if not compile:
+        raise ValueError(f"`FlowMatchingModule(compile_options={dict(options)!r})` needs `compile=True` "
+                         "(model.compile=true); without it nothing is compiled.")
+    import difflib
+
+    from torch._inductor import config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    for name in options:
+        if name not in known:
+            close = difflib.get_close_matches(name, list(known), n=3)
+            raise ValueError(f"`FlowMatchingModule(compile_options=...)`: {name!r} is not an inductor option of this "
+                             f"torch ({torch.__version__}). Close names: {close or 'none'}; see torch._inductor.config.")
+    return dict(options)
+
+
 #: ``FlowMatchingModule(optimizer_impl=...)`` values.
 OPTIMIZER_IMPLS = ("auto", "fused", "foreach")
 
@@ -167,6 +190,9 @@ class FlowMatchingModule(pl.LightningModule):
             and the head keep fp32 parameters, as the reference computes them in fp32. bf16 needs
             ``Trainer(precision="bf16-mixed")`` (autocast runs the matmuls); the block parameters,
             the modulation included, are then bf16 in forward, fp32 in the optimizer.
+        compile_options: inductor options for the compiled blocks (``torch.compile(options=...)``, names
+            as in ``torch._inductor.config``, e.g. ``{"triton.mix_order_reduction_non_strict_mode": True}``);
+            an unknown name is an error here, not at the first step. Needs ``compile=True``.
         optimizer_impl: AdamW's implementation: ``"fused"`` (one kernel for the whole update),
             ``"foreach"`` (PyTorch's default on GPU), or ``"auto"``: fused when every parameter is on a
             CUDA device, the strategy replicates them (one device or DDP; sharded parameters keep the
@@ -215,8 +241,10 @@ class FlowMatchingModule(pl.LightningModule):
         pretrained: str | None = None,
         fsdp_param_dtype: str = "bfloat16",
         optimizer_impl: str = "auto",
+        compile_options: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
+        compile_options = _check_compile_options(compile_options, compile)
         if optimizer_impl not in OPTIMIZER_IMPLS:
             raise ValueError(
                 f"`FlowMatchingModule(optimizer_impl={optimizer_impl!r})` is not valid. Expected one of {list(OPTIMIZER_IMPLS)}."
@@ -349,7 +377,8 @@ class FlowMatchingModule(pl.LightningModule):
         model.set_gradient_checkpointing("full" if setting == "auto" else setting)
         if self.hparams.get("compile", False):
             # Compilation is lazy: modules swapped in after this (FusedAdaLNCallback) are what gets traced.
-            model.compile_blocks()
+            options = self.hparams.get("compile_options")
+            model.compile_blocks(**({"options": dict(options)} if options else {}))
 
     #: What :meth:`set_checkpointing` accepts, least recomputation (most memory) first.
     checkpointing_modes: tuple[str, ...] = CHECKPOINTING_MODES

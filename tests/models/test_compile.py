@@ -149,3 +149,26 @@ def test_compiled_blocks_under_bf16_autocast_compile_one_graph_for_every_block()
             out = model(x, torch.rand(3) * 1000, torch.randn(3, cfg.text_len, cfg.text_dim))
             out.float().square().mean().backward()
     assert counter.frame_count == 1
+
+
+def test_compile_options_reach_every_block_and_are_checked(monkeypatch):
+    import pytest
+
+    from lightning_adaptiveload.models.flow_matching import FlowMatchingModule
+
+    seen = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: seen.append(kw))
+    options = {"triton.mix_order_reduction_non_strict_mode": True}
+    module = FlowMatchingModule("tiny", compile=True, compile_options=options)
+    module.configure_model()
+    assert seen == [{"options": options}] * len(module.model.blocks)
+    seen.clear()
+    FlowMatchingModule("tiny", compile=True, compile_options={}).configure_model()
+    assert seen == [{}] * 2  # empty: torch.compile's defaults
+    with pytest.raises(ValueError, match="'triton.mix_order_reduction_non_strict' is not an inductor option.*"
+                                         "mix_order_reduction_non_strict_mode"):
+        FlowMatchingModule("tiny", compile=True, compile_options={"triton.mix_order_reduction_non_strict": True})
+    with pytest.raises(ValueError, match="needs `compile=True`"):
+        FlowMatchingModule("tiny", compile_options=options)
+    with pytest.raises(ValueError, match="Expected a mapping"):
+        FlowMatchingModule("tiny", compile=True, compile_options=["max_autotune"])
