@@ -13,7 +13,8 @@ Every decision that ranks must share (out of memory, out of time) goes
 through the collectives, so all ranks run the same steps. Bounds:
 
 - a shape stops starting new steps once its own time reaches ``shape_time_s`` (at least one timed
-  step is kept; a step in flight is never interrupted);
+  step is kept; a step in flight is never interrupted), or once two timed steps or more agree to
+  within ``stable_rel`` of their median (more repetitions would not move the median by more);
 - the run stops starting new shapes once ``time_budget_s`` is spent and every sequence length has one
   measurement (the first pass), and shapes after the first pass get at most the budget that is left;
 - a shape that runs out of memory on any rank ends that sequence length's larger batches, and when
@@ -218,6 +219,7 @@ def profile(
     clock: Callable[[], float] | None = None,
     compile_clock: Callable[[], float] | None = None,
     memory_limit: float | None = None,
+    stable_rel: float = 0.0,
 ) -> list[Measurement]:
     """Profile ``plan`` (see the module docstring) and return one :class:`Measurement` per shape.
 
@@ -240,6 +242,8 @@ def profile(
             nothing compiles, warm-up steps are never timed.
         memory_limit: bytes a step may peak at (device memory less margin and optimizer state still to
             come); caps the batch sizes after the first pass (see the module docstring). Needs ``memory.peak``.
+        stable_rel: stop a shape early once its timed steps (two or more) span at most this fraction of
+            their median; 0 runs up to ``repeats``.
 
     Raises:
         ValueError: bad arguments.
@@ -250,6 +254,8 @@ def profile(
     for name, value in (("shape_time_s", shape_time_s), ("time_budget_s", time_budget_s)):
         if not (isinstance(value, (int, float)) and value > 0):
             raise ValueError(f"`{name}={value!r}` is not valid. Expected seconds > 0.")
+    if not (isinstance(stable_rel, (int, float)) and 0 <= stable_rel < 1):
+        raise ValueError(f"`stable_rel={stable_rel!r}` is not valid. Expected a fraction in [0, 1).")
     clock = clock or time.perf_counter
     coll = collectives or LocalCollectives()
     memory = memory or MemoryProbe()
@@ -284,7 +290,7 @@ def profile(
             continue
         limit = shape_time_s if i < first_pass else max(1e-9, min(shape_time_s, time_budget_s - elapsed))
         m = _profile_one(make_step, shape, coll, warmup, repeats, limit, sync, memory, on_oom, say,
-                         f"shape {i + 1}/{n}", clock, compile_clock)
+                         f"shape {i + 1}/{n}", clock, compile_clock, stable_rel)
         out.append(m)
         if m.status == "oom":
             oom_at[s] = min(b, oom_at.get(s, b))
@@ -317,7 +323,8 @@ def _cap_batch(shape: Shape, done: Sequence[Measurement], memory_limit: float) -
 
 
 def _profile_one(make_step, shape: Shape, coll: Collectives, warmup: int, repeats: int, limit: float,
-                 sync, memory: MemoryProbe, on_oom, say, label: str, clock, compile_clock=None) -> Measurement:
+                 sync, memory: MemoryProbe, on_oom, say, label: str, clock, compile_clock=None,
+                 stable_rel: float = 0.0) -> Measurement:
     b, grid, s = shape.batch_size, shape.grid, shape.seq_len
     compiled = compile_clock or (lambda: 0.0)
     times: list[float] = []
@@ -337,6 +344,9 @@ def _profile_one(make_step, shape: Shape, coll: Collectives, warmup: int, repeat
             # Ranks agree on whether to start another step: rank 0's clock decides. Compiling does not
             # count against the shape's time (it is paid once, and training would pay it anyway).
             if times and coll.broadcast(clock() - t_shape - (compiled() - c_shape) >= limit):
+                break
+            if stable_rel > 0 and len(times) >= 2 and coll.broadcast(
+                    max(times) - min(times) <= stable_rel * float(np.median(times))):
                 break
             sync()
             c0 = compiled()

@@ -99,6 +99,8 @@ class ShapeBenchmarkCallback(Callback):
             sequence length, geometrically from 1 to ``2·S_max / S``.
         max_shapes: Number of distinct sequence lengths to profile, spread over the dataset's range.
         repeats: At most this many timed steps per shape (the median is kept).
+        stable_rel: A shape stops early once two or more timed steps span at most this fraction of
+            their median (0: always ``repeats``).
         warmup: Untimed steps per shape before timing.
         shape_time_s: A shape starts no new step after this many seconds, compile time excluded (one timed step is kept).
         time_budget_s: No new shape is started after this many seconds, once every sequence length
@@ -136,6 +138,7 @@ class ShapeBenchmarkCallback(Callback):
         batch_sizes: Sequence[int] | None = None,
         max_shapes: int = 8,
         repeats: int = 3,
+        stable_rel: float = 0.02,
         warmup: int = 1,
         shape_time_s: float = 30.0,
         time_budget_s: float = 300.0,
@@ -175,6 +178,10 @@ class ShapeBenchmarkCallback(Callback):
         self.batch_sizes = batch_sizes
         self.max_shapes = int(max_shapes)
         self.repeats = int(repeats)
+        if not (isinstance(stable_rel, (int, float)) and 0 <= stable_rel < 1):
+            raise ValueError(f"`ShapeBenchmarkCallback(stable_rel={stable_rel!r})` is not valid. Expected a fraction "
+                             "in [0, 1).")
+        self.stable_rel = float(stable_rel)
         self.warmup = int(warmup)
         self.shape_time_s = float(shape_time_s)
         self.time_budget_s = float(time_budget_s)
@@ -358,7 +365,7 @@ class ShapeBenchmarkCallback(Callback):
                 limit = None if device_memory is None else device_memory * (1.0 - self.memory_margin) - pending
                 measurements = profile(
                     make_step, plan, warmup=self.warmup, repeats=self.repeats, shape_time_s=self.shape_time_s,
-                    time_budget_s=self.time_budget_s, memory_limit=limit, **common,
+                    time_budget_s=self.time_budget_s, memory_limit=limit, stable_rel=self.stable_rel, **common,
                 )
         finally:
             _clear_grads(trainer, pl_module)

@@ -243,3 +243,17 @@ def test_shape_time_excludes_compile_time():
                 shape_time_s=39.0, clock=clock, compile_clock=cc)
     # 40 s - 5 s compiling = 35 s < 39 s: a second timed step starts; then 37 s: a third; then 39 s: stop.
     assert m[0].timed_steps == 2 and len(calls) == 3
+
+
+def test_stable_timings_stop_a_shape_early():
+    clock, calls = Clock(), []
+    durations = iter([5.0, 2.0, 2.02, 9.0, 1.0, 1.5, 1.2, 8.0])
+    plan = [Shape(1, (1, 1, 4)), Shape(2, (1, 1, 4))]
+    m = profile(_stepper(clock, lambda b, s: next(durations), calls), plan, warmup=1, repeats=4,
+                shape_time_s=100, clock=clock, stable_rel=0.02)
+    # Shape 1: 2.0 and 2.02 agree within 2% of their median: two timed steps suffice.
+    # Shape 2: 1.0, 1.5, 1.2, 8.0 never agree: all 4 repeats run.
+    assert [x.timed_steps for x in m] == [2, 4] and len(calls) == 8
+    assert m[0].time_s == pytest.approx(2.01) and m[1].time_s == pytest.approx(1.35)
+    with pytest.raises(ValueError, match="stable_rel=1.5"):
+        profile(_stepper(clock, lambda b, s: 1.0), plan, stable_rel=1.5)
