@@ -50,6 +50,7 @@ from typing_extensions import override
 
 from lightning_adaptiveload.geometry import tokens_of
 from lightning_adaptiveload.models.flow_matching import rectified_flow_loss
+from lightning_adaptiveload.models.optim import adamw, check_optimizer_impl, clip_gradients
 from lightning_adaptiveload.ops import adaln
 
 __all__ = ["DiffusersWanModule", "patch_wan_transformer", "unpatch_wan_transformer"]
@@ -281,6 +282,8 @@ class DiffusersWanModule(pl.LightningModule):
         timestep_shift: Wan's schedule shift (5.0 for 480p/720p video; 1.0: uniform t).
         num_train_timesteps: scale of the timestep the model sees (Wan: 1000).
         gradient_checkpointing: diffusers' per-block activation checkpointing.
+        optimizer_impl: AdamW's implementation, ``"auto"`` (fused on CUDA with replicated parameters),
+            ``"fused"`` or ``"foreach"`` (:mod:`lightning_adaptiveload.models.optim`).
 
     Example::
 
@@ -300,9 +303,11 @@ class DiffusersWanModule(pl.LightningModule):
         timestep_shift: float = 5.0,
         num_train_timesteps: int = 1000,
         gradient_checkpointing: bool = False,
+        optimizer_impl: str = "auto",
     ) -> None:
         super().__init__()
         cls = type(self).__name__
+        check_optimizer_impl(optimizer_impl, cls)
         if isinstance(transformer, WanTransformer3DModel):
             config = {k: v for k, v in transformer.config.items() if not k.startswith("_")}
         elif isinstance(transformer, Mapping):
@@ -426,10 +431,11 @@ class DiffusersWanModule(pl.LightningModule):
     @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
         hp = self.hparams
-        return torch.optim.AdamW(
-            [p for p in self.parameters() if p.requires_grad],
-            lr=hp.lr,
-            betas=tuple(hp.betas),
-            eps=hp.eps,
-            weight_decay=hp.weight_decay,
-        )
+        return adamw(self, (p for p in self.parameters() if p.requires_grad), hp.get("optimizer_impl", "auto"),
+                     lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, weight_decay=hp.weight_decay)
+
+    @override
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        """Lightning's clipping, also for the fused AdamW under bf16 (:func:`~lightning_adaptiveload.models.optim.clip_gradients`)."""
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from typing_extensions import override
 
 from lightning_adaptiveload.geometry import tokens_of
+from lightning_adaptiveload.models.optim import adamw, check_optimizer_impl, clip_gradients, use_fused_adamw
 from lightning_adaptiveload.models.wan import (
     CHECKPOINTING_MODES,
     WanAttentionBlock,
@@ -135,10 +136,6 @@ def _check_compile_options(options: Mapping[str, Any] | None, compile: bool) -> 
     return dict(options)
 
 
-#: ``FlowMatchingModule(optimizer_impl=...)`` values.
-OPTIMIZER_IMPLS = ("auto", "fused", "foreach")
-
-
 class FlowMatchingModule(pl.LightningModule):
     """Trains a :class:`~lightning_adaptiveload.models.wan.WanModel` with Wan's rectified-flow objective.
 
@@ -245,10 +242,7 @@ class FlowMatchingModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         compile_options = _check_compile_options(compile_options, compile)
-        if optimizer_impl not in OPTIMIZER_IMPLS:
-            raise ValueError(
-                f"`FlowMatchingModule(optimizer_impl={optimizer_impl!r})` is not valid. Expected one of {list(OPTIMIZER_IMPLS)}."
-            )
+        check_optimizer_impl(optimizer_impl, "FlowMatchingModule")
         if not isinstance(compile, bool):
             raise ValueError(f"`FlowMatchingModule(compile={compile!r})` is not valid. Expected true or false.")
         if fsdp_param_dtype not in _PARAM_DTYPES:
@@ -608,13 +602,8 @@ class FlowMatchingModule(pl.LightningModule):
         """Clip by the global norm; under FSDP through the wrapper, which sums the shards' norms.
 
         Lightning's FSDP precision plugin refuses norm clipping, yet the sharded model can do it.
-        Lightning's mixed-precision plugin also refuses to clip for an optimizer that unscales
-        gradients inside ``step`` (fused AdamW), which matters only with fp16's gradient scaler: with
-        bf16 (no scaler) the gradients are already unscaled, so the base precision plugin's clipping
-        runs, the same ``clip_grad_norm_`` / ``clip_grad_value_`` on the optimizer's parameters.
+        A fused AdamW is clipped under bf16 too (:func:`lightning_adaptiveload.models.optim.clip_gradients`).
         """
-        from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-        from lightning.pytorch.utilities import GradClipAlgorithmType
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         model = self.trainer.model
@@ -626,40 +615,17 @@ class FlowMatchingModule(pl.LightningModule):
                 )
             model.clip_grad_norm_(gradient_clip_val)
             return
-        plugin = self.trainer.precision_plugin
-        if (gradient_clip_val and getattr(optimizer, "_step_supports_amp_scaling", False)
-                and isinstance(plugin, MixedPrecision) and plugin.scaler is None):
-            algorithm = GradClipAlgorithmType(gradient_clip_algorithm or GradClipAlgorithmType.NORM)
-            Precision.clip_gradients(plugin, optimizer, gradient_clip_val, algorithm)
-            return
-        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     @property
     def fused_optimizer(self) -> bool:
         """Whether :meth:`configure_optimizers` builds a fused AdamW (see ``optimizer_impl``)."""
-        impl = self.hparams.get("optimizer_impl", "auto")
-        if impl != "auto":
-            return impl == "fused"
-        from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-
-        trainer = self._trainer
-        # Replicated parameters only: sharded ones (FSDP1 flat, FSDP2 DTensor) keep PyTorch's default.
-        if trainer is not None and (not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy))
-                                    or getattr(trainer.precision_plugin, "scaler", None) is not None):
-            return False
-        params = [p for p in self.parameters() if p.requires_grad]
-        return bool(params) and all(p.device.type == "cuda" for p in params)
+        return use_fused_adamw(self, self.hparams.get("optimizer_impl", "auto"))
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
-        optimizer = torch.optim.AdamW(
-            [p for p in self.parameters() if p.requires_grad],
-            lr=hp.lr,
-            betas=tuple(hp.betas),
-            eps=hp.eps,
-            weight_decay=hp.weight_decay,
-            **({"fused": True} if self.fused_optimizer else {}),
-        )
+        optimizer = adamw(self, (p for p in self.parameters() if p.requires_grad), hp.get("optimizer_impl", "auto"),
+                          lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, weight_decay=hp.weight_decay)
         if hp.warmup_steps == 0:
             return optimizer
         scheduler = torch.optim.lr_scheduler.LambdaLR(

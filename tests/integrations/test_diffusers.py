@@ -263,6 +263,27 @@ def test_adapter_trains_with_the_datamodule_on_cpu(tmp_path):
     reloaded.load_state_dict(module.state_dict())
 
 
+def test_adapter_trains_with_fused_adamw_and_clipping_under_bf16(tmp_path):
+    # Lightning's mixed-precision plugin alone would refuse to clip for the fused optimizer.
+    dataset = SyntheticMixedDataset(24, "tiny", latent_channels=4, text_len=3, text_dim=8, seed=0)
+    dm = AdaptiveLoadDataModule(dataset, DualConstraintPolicy(m_mem=128, m_comp=128 * 64, p=2), seed=0)
+    module = DiffusersWanModule(dict(TINY), text_len=3, lr=1e-3, optimizer_impl="fused")
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        precision="bf16-mixed", gradient_clip_val=1e-4,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, datamodule=dm)
+    (opt,) = trainer.optimizers
+    assert opt.defaults["fused"] is True and trainer.global_step == 2
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in module.parameters() if p.grad is not None]))
+    assert float(norm) == pytest.approx(1e-4, rel=1e-3)  # the last step's gradients were clipped
+    with pytest.raises(ValueError, match="optimizer_impl='sgd'"):
+        DiffusersWanModule(dict(TINY), optimizer_impl="sgd")
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("per_token", [False, True], ids=["per_sample", "per_token"])
 def test_fused_kernel_matches_unpatched_model_in_bf16(per_token):
