@@ -441,7 +441,7 @@ def _format_summary(summary: dict[str, float]) -> str:
             parts.append(f"{key} {value:.2%}")
         elif key == "tokens_per_s":
             parts.append(f"{key} {value:,.0f}")
-        elif key == "alloc_retries":
+        elif key in ("alloc_retries", "device_allocs"):
             parts.append(f"{key} {int(value)} in total")
         else:
             parts.append(f"{key} {value:.4g}")

@@ -45,17 +45,21 @@ from lightning_adaptiveload.bucketing.policy import CostPredictor
 from lightning_adaptiveload.bucketing.sequence_parallel import sp_cost_function
 from lightning_adaptiveload.geometry import tokens_of
 
-_FIELDS = ("step_time", "forward_time", "compute", "tokens", "peak_mem", "flops", "data_wait", "alloc_retries")
+_FIELDS = ("step_time", "forward_time", "compute", "tokens", "peak_mem", "flops", "data_wait", "alloc_retries",
+           "device_allocs")
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by device name, for MFU. Others: pass `peak_tflops`.
 PEAK_BF16_TFLOPS: dict[str, float] = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0,
                                       "L40S": 362.0, "B200": 2250.0}
 
 
-def _alloc_retries(device: torch.device) -> int:
-    """CUDA's count of allocations that freed the cache and retried (0 off CUDA)."""
+def _allocator_counts(device: torch.device) -> tuple[int, int]:
+    """CUDA's cumulative (allocations that freed the cache and retried, cudaMalloc + cudaFree calls);
+    zeros off CUDA."""
     if device.type != "cuda":
-        return 0
-    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+        return 0, 0
+    stats = torch.cuda.memory_stats(device)
+    return (int(stats.get("num_alloc_retries", 0)),
+            int(stats.get("num_device_alloc", 0)) + int(stats.get("num_device_free", 0)))
 
 
 def _device_peak_tflops(device: torch.device) -> float | None:
@@ -103,7 +107,9 @@ class BalanceMonitor(Callback):
     ``flops_per_sample``, ``balance/tflops_per_gpu`` and ``balance/mfu``; on CUDA also
     ``balance/alloc_retries`` (the most over ranks of the times CUDA's caching allocator had to free its
     cache and retry an allocation in the step; each retry synchronises the device, and the first one
-    warns, naming the fix). At the end of fit, rank 0 prints a balance report
+    warns, naming the fix) and ``balance/device_allocs`` (the most over ranks of the device allocations
+    and frees, ``cudaMalloc`` / ``cudaFree``, the cache made in the step: 0 in a steady state that reuses
+    its cache). At the end of fit, rank 0 prints a balance report
     (rich table, one row per rank, plus the run's means over the steps after ``warmup_steps``).
 
     Args:
@@ -219,7 +225,7 @@ class BalanceMonitor(Callback):
                              batch_idx: int) -> None:
         if pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
-        self._retries0 = _alloc_retries(pl_module.device)
+        self._allocator0 = _allocator_counts(pl_module.device)
         self._t_fwd = None
         self._t0 = self._now(pl_module.device)
         self._wait = 0.0 if self._t_end is None else max(0.0, self._t0 - self._t_end - self._paused)
@@ -255,9 +261,11 @@ class BalanceMonitor(Callback):
         peak = torch.cuda.max_memory_allocated(pl_module.device) if pl_module.device.type == "cuda" else 0
         flops_fn = getattr(pl_module, "flops_per_sample", None)
         flops = float(b) * float(flops_fn(s)) / degree if callable(flops_fn) else 0.0
-        retries = float(_alloc_retries(pl_module.device) - self._retries0)
+        retries, device_allocs = (float(now - then) for now, then in
+                                  zip(_allocator_counts(pl_module.device), self._allocator0, strict=True))
         local = torch.tensor([step_time, forward_time, self._predicted_compute(b, s, degree), float(b * s) / degree,
-                              float(peak), flops, self._wait, retries], dtype=torch.float64, device=pl_module.device)
+                              float(peak), flops, self._wait, retries, device_allocs],
+                             dtype=torch.float64, device=pl_module.device)
         gathered = trainer.strategy.all_gather(local)
         rows = gathered.reshape(-1, len(_FIELDS)).cpu().numpy()
         if rows[:, 7].max() > 0 and not self._warned_retries:
@@ -279,7 +287,7 @@ class BalanceMonitor(Callback):
     def _accumulate(self, rows: np.ndarray, counted: bool = True) -> None:
         if self._per_rank_sum.shape[0] != rows.shape[0]:
             self._reset_totals(rows.shape[0])
-        t, fwd, comp, tokens, peak, flops, wait, retries = (rows[:, i] for i in range(len(_FIELDS)))
+        t, fwd, comp, tokens, peak, flops, wait, retries, device_allocs = (rows[:, i] for i in range(len(_FIELDS)))
         max_t = float(t.max())
         metrics = {
             "balance/step_time_cv": float(sync_overhead(t)),
@@ -290,6 +298,7 @@ class BalanceMonitor(Callback):
             "balance/peak_mem_gb": float(peak.max() / 2**30),
             "train/data_wait_frac": float(_wait_fraction(wait, t).max()),
             "balance/alloc_retries": float(retries.max()),
+            "balance/device_allocs": float(device_allocs.max()),
         }
         if flops.sum() > 0 and max_t > 0:
             # Model FLOPs of all ranks over the slowest rank's time, per GPU.
@@ -327,6 +336,7 @@ class BalanceMonitor(Callback):
         # Time-weighted per rank (total wait over total wall time), the largest over ranks.
         out["data_wait_frac"] = float(_wait_fraction(self._per_rank_sum[:, 6], self._per_rank_sum[:, 0]).max())
         out["alloc_retries"] = float(self._per_rank_sum[:, 7].max()) if self._per_rank_sum.size else 0.0  # a total
+        out["device_allocs"] = float(self._per_rank_sum[:, 8].max()) if self._per_rank_sum.size else 0.0  # a total
         out["steps"] = float(self._steps)
         return out
 
@@ -359,4 +369,5 @@ class BalanceMonitor(Callback):
             f"compute CV {s['compute_cv']:.2%} | bubble {s['bubble']:.2%} | tokens/s {s['tokens_per_s']:,.0f}{mfu} | "
             f"data wait {s['data_wait_frac']:.2%} of step time"
             + (f" | allocator retries {int(s['alloc_retries'])}" if s.get("alloc_retries") else "")
+            + (f" | device allocations {int(s['device_allocs'])}" if s.get("device_allocs") else "")
         )

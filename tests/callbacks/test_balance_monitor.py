@@ -64,7 +64,7 @@ def test_gathered_rows_give_paper_metrics():
     monitor = BalanceMonitor(cost_model=SimpleNamespace(predict=lambda b, s: b * s * 1e-3))
     # two ranks: step times 1 s and 3 s, predicted compute 2 and 6, tokens 10 and 30, no FLOPs counted
     # data wait 1 s before rank 0's step and 0.5 s before rank 1's
-    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 1.0, 0.0], [3.0, 1.5, 6.0, 30.0, 2**30, 0.0, 0.5, 2.0]]))
+    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 1.0, 0.0, 5.0], [3.0, 1.5, 6.0, 30.0, 2**30, 0.0, 0.5, 2.0, 1.0]]))
     m = monitor.last_metrics
     assert m["balance/step_time_cv"] == pytest.approx(0.5)
     assert m["balance/forward_time_cv"] == pytest.approx(0.5)
@@ -75,8 +75,8 @@ def test_gathered_rows_give_paper_metrics():
     assert monitor._predicted_compute(2, 100) == pytest.approx(0.2)
     assert "balance/tflops_per_gpu" not in m
     assert m["train/data_wait_frac"] == pytest.approx(0.5)  # the worse rank: 1 s of 2 s
-    assert m["balance/alloc_retries"] == 2.0  # the most on any rank
-    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 0.0, 0.0], [3.0, 1.5, 6.0, 30.0, 0.0, 0.0, 1.0, 0.0]]))
+    assert m["balance/alloc_retries"] == 2.0 and m["balance/device_allocs"] == 5.0  # the most on any rank
+    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0], [3.0, 1.5, 6.0, 30.0, 0.0, 0.0, 1.0, 0.0, 0.0]]))
     assert monitor.last_metrics["train/data_wait_frac"] == pytest.approx(0.25)
     # over the run, per rank: rank 0 1 s of 3 s, rank 1 1.5 s of 7.5 s -> the larger
     assert monitor.summary()["data_wait_frac"] == pytest.approx(1.0 / 3.0)
@@ -238,7 +238,8 @@ def test_sequence_parallel_compute_uses_the_cost_models_sp_prediction():
 def test_allocator_retries_are_counted_per_step_and_warn_once(tmp_path, monkeypatch, capsys):
     # The device's cumulative retry count, read at each step's start and end: steps 3 and 5 retry.
     counts = iter([0, 0, 0, 0, 0, 2, 2, 2, 2, 3, 3, 3])
-    monkeypatch.setattr(balance_monitor, "_alloc_retries", lambda device: next(counts))
+    mallocs = iter([0, 4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6])  # cudaMalloc + cudaFree: steps 1 and 5
+    monkeypatch.setattr(balance_monitor, "_allocator_counts", lambda device: (next(counts), next(mallocs)))
     monitor = BalanceMonitor(log_every_n_steps=1)
     trainer = Trainer(default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=6, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
@@ -247,11 +248,15 @@ def test_allocator_retries_are_counted_per_step_and_warn_once(tmp_path, monkeypa
         trainer.fit(TinyModule(), train_dataloaders=_loader())
     assert sum("caching allocator" in str(w.message) for w in record) == 1
     assert [row[0][7] for row in monitor.history] == [0.0, 0.0, 2.0, 0.0, 1.0, 0.0]
-    assert monitor.summary()["alloc_retries"] == 3.0
-    assert "allocator retries 3" in capsys.readouterr().out
+    assert [row[0][8] for row in monitor.history] == [4.0, 0.0, 0.0, 0.0, 2.0, 0.0]
+    assert monitor.summary()["alloc_retries"] == 3.0 and monitor.summary()["device_allocs"] == 6.0
+    out = capsys.readouterr().out
+    out = " ".join(out.split())  # the console wraps lines
+    assert "allocator retries 3" in out and "device allocations 6" in out
 
 
-def test_allocator_retries_read_cuda_memory_stats(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: {"num_alloc_retries": 4})
-    assert balance_monitor._alloc_retries(torch.device("cuda", 0)) == 4
-    assert balance_monitor._alloc_retries(torch.device("cpu")) == 0
+def test_allocator_counts_read_cuda_memory_stats(monkeypatch):
+    stats = {"num_alloc_retries": 4, "num_device_alloc": 7, "num_device_free": 2}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: stats)
+    assert balance_monitor._allocator_counts(torch.device("cuda", 0)) == (4, 9)
+    assert balance_monitor._allocator_counts(torch.device("cpu")) == (0, 0)
