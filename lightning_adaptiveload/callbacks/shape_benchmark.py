@@ -27,7 +27,13 @@ from typing_extensions import override
 from lightning_adaptiveload.bucketing.sampler import count_buckets
 from lightning_adaptiveload.calibration import derive, record
 from lightning_adaptiveload.calibration.costmodel import FORMS
-from lightning_adaptiveload.calibration.profile import MemoryProbe, Shape, plan_grid, profile
+from lightning_adaptiveload.calibration.profile import (
+    MemoryProbe,
+    Shape,
+    is_out_of_memory,
+    plan_grid,
+    profile,
+)
 from lightning_adaptiveload.models.compiling import compile_seconds
 from lightning_adaptiveload.models.protocol import check_module
 from lightning_adaptiveload.reporting import plot_calibration, print_calibration
@@ -303,6 +309,34 @@ class ShapeBenchmarkCallback(Callback):
             "checkpoint's calibration so the resumed bucket plan matches. Set `cache_dir` to skip profiling on resume."
         )
         self._apply(trainer, pl_module, restored, self._buckets(trainer), "checkpoint", state.get("derived"))
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        # Remembered so that an out-of-memory error in this batch can be explained (on_exception).
+        shape = getattr(pl_module, "batch_shape", None)
+        self._last_batch = (trainer.global_step, *(int(v) for v in shape(batch))) if callable(shape) else None
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """Say what the calibration predicted, and what to change, when a training batch runs out of memory."""
+        last = getattr(self, "_last_batch", None)
+        cal = self.calibration
+        if not (self.enabled and last and cal is not None and trainer.training and is_out_of_memory(exception)):
+            return
+        step, b, s = last
+        margin = f"callbacks.shape_benchmark.memory_margin={self.memory_margin}"
+        predicted = ""
+        if cal.memory_model is not None and cal.device_memory:
+            peak = float(cal.memory_model.predict(b, s)) + cal.optimizer_bytes
+            predicted = (f"; the calibration's memory model predicted {peak / 2**30:.1f} GiB of "
+                         f"{cal.device_memory / 2**30:.1f} GiB for it")
+        rank_zero_warn(
+            f"`ShapeBenchmarkCallback`: training step {step} ran out of memory on a B={b} S={s:,} batch{predicted}. "
+            f"Raise the margin ({margin}, e.g. to {min(0.9, self.memory_margin + 0.1):.1f}) to get smaller "
+            "batches, and if the error reports much memory 'reserved but unallocated', use "
+            "PYTORCH_ALLOC_CONF=expandable_segments:True (adaptiveload-train sets it unless the environment "
+            "has a setting)."
+        )
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -597,3 +597,35 @@ def test_late_restoring_strategy_gets_the_checkpoints_checkpointing_mode(tmp_pat
     trainer.fit(model, datamodule=TinyDataModule(), ckpt_path=tmp_path / "late.ckpt")
     assert resumed.profiled and resumed.source == "checkpoint"
     assert model.checkpointing == "full"
+
+
+def test_out_of_memory_in_training_says_what_was_predicted_and_what_to_change(tmp_path):
+    from lightning_adaptiveload.calibration.costmodel import MemoryModel
+
+    class ShapedModule(TinyModule):
+        def batch_shape(self, batch):
+            return tuple(batch["x"].shape[:2])
+
+    model, cb, seen = ShapedModule(), _cb(tmp_path), []
+
+    def oom_from_the_second_training_step(b, s):
+        if model.trainer.global_step >= 1:
+            seen.append((b, s))
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
+
+    class FakeMemory(Callback):  # a CUDA calibration has a memory model; give the CPU one the same
+        def on_train_start(self, trainer, pl_module):
+            cb.calibration.memory_model = MemoryModel(2 * 2**30, 2**20)
+            cb.calibration.device_memory, cb.calibration.optimizer_bytes = 16 * 2**30, 2**30
+            model.hook = oom_from_the_second_training_step
+
+    trainer = _trainer(tmp_path, cb, FakeMemory())
+    with pytest.warns(UserWarning, match="training step 1 ran out of memory") as record:
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            trainer.fit(model, datamodule=TinyDataModule())
+    (b, s), = seen
+    want = (2 * 2**30 + 2**20 * b * s + 2**30) / 2**30
+    (message,) = [str(w.message) for w in record if "ran out of memory" in str(w.message)]
+    assert f"on a B={b} S={s:,} batch; the calibration's memory model predicted {want:.1f} GiB of 16.0 GiB" in message
+    assert "callbacks.shape_benchmark.memory_margin=0.1, e.g. to 0.2" in message
+    assert "expandable_segments:True" in message
