@@ -173,7 +173,7 @@ class BalanceMonitor(Callback):
         self._wait = 0.0  # data wait before the current batch
         self._paused = 0.0  # validation time inside the current gap (not data wait)
         self._t_val: float | None = None
-        self._retries0 = 0
+        self._allocator0 = (0, 0)  # the allocator's counters at the current batch's start
         self._warned_retries = False
         self._reset_totals(0)
 

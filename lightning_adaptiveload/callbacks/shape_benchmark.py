@@ -47,6 +47,7 @@ _STATE_VERSION = 2
 #: batches enough to run out of memory).
 PROFILE_VERSION = 2
 
+
 class _StrategyCollectives:
     """:class:`~lightning_adaptiveload.calibration.profile.Collectives` over a Lightning strategy."""
 
@@ -206,6 +207,7 @@ class ShapeBenchmarkCallback(Callback):
         self._fit_started = False
         self._auto_checkpointing = False
         self.calibration: record.Calibration | None = None
+        self._last_batch: tuple[int, int, int] | None = None  # (step, B, S) of the batch in training
         self.derivation: derive.Derivation | None = None
         self.source: str | None = None
         self.profiled = False
@@ -319,8 +321,7 @@ class ShapeBenchmarkCallback(Callback):
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """Say what the calibration predicted, and what to change, when a training batch runs out of memory."""
-        last = getattr(self, "_last_batch", None)
-        cal = self.calibration
+        last, cal = self._last_batch, self.calibration
         if not (self.enabled and last and cal is not None and trainer.training and is_out_of_memory(exception)):
             return
         step, b, s = last

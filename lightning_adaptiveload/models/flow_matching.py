@@ -241,10 +241,10 @@ class FlowMatchingModule(pl.LightningModule):
         compile_options: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        compile_options = _check_compile_options(compile_options, compile)
-        check_optimizer_impl(optimizer_impl, "FlowMatchingModule")
         if not isinstance(compile, bool):
             raise ValueError(f"`FlowMatchingModule(compile={compile!r})` is not valid. Expected true or false.")
+        compile_options = _check_compile_options(compile_options, compile)
+        check_optimizer_impl(optimizer_impl, "FlowMatchingModule")
         if fsdp_param_dtype not in _PARAM_DTYPES:
             raise ValueError(
                 f"`FlowMatchingModule(fsdp_param_dtype={fsdp_param_dtype!r})` is not valid. "
