@@ -186,6 +186,8 @@ class BalanceMonitor(Callback):
         self._sum_max_time = 0.0
         self._sum_tokens = 0.0
         self._sum_flops = 0.0
+        # This rank's counted steps per batch shape (B, S): [steps, step time, predicted compute, FLOPs].
+        self._shape_sums: dict[tuple[int, int], np.ndarray] = {}
 
     def _now(self, device: torch.device) -> float:
         if self.synchronize and device.type == "cuda":
@@ -278,7 +280,12 @@ class BalanceMonitor(Callback):
                 "(adaptiveload-train sets it unless the environment has a setting)."
             )
         self._seen += 1
-        self._accumulate(rows, counted=self._seen > self.warmup_steps)
+        counted = self._seen > self.warmup_steps
+        self._accumulate(rows, counted=counted)
+        if counted:
+            key = (int(b), int(s))
+            self._shape_sums[key] = self._shape_sums.get(key, np.zeros(4)) + np.array(
+                [1.0, step_time, float(local[2]), flops])
         if (batch_idx + 1) % self.log_every_n_steps == 0:
             pl_module.log_dict(self.last_metrics, on_step=True, on_epoch=False, rank_zero_only=True)
         # The gap to the next batch starts here: this callback's own gather is not data wait.
@@ -340,6 +347,24 @@ class BalanceMonitor(Callback):
         out["steps"] = float(self._steps)
         return out
 
+    def per_shape(self) -> list[dict[str, float]]:
+        """This rank's counted steps per batch shape, largest S first: ``B``, ``S``, ``steps``, mean
+        ``step_s``, mean ``predicted`` compute (the cost model's seconds when there is one), ``measured_over_predicted``
+        (mean step time over mean prediction), ``tokens_per_s`` and ``mfu`` (when the module counts FLOPs).
+
+        With a fitted cost model this is how far training steps are from what the shape benchmark
+        measured for the same shape: a ratio above 1 is time the profile did not see (the optimizer
+        step, host gaps, a slower clock under sustained load).
+        """
+        out = []
+        for (b, s), (n, t, pred, flops) in sorted(self._shape_sums.items(), key=lambda kv: (-kv[0][1], -kv[0][0])):
+            row = {"B": b, "S": s, "steps": int(n), "step_s": t / n, "predicted": pred / n,
+                   "measured_over_predicted": t / pred if pred > 0 else float("nan"), "tokens_per_s": n * b * s / t}
+            if flops > 0 and self._peak_tflops:
+                row["mfu"] = flops / t / 1e12 / self._peak_tflops
+            out.append(row)
+        return out
+
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.print_report and self._steps:
@@ -361,6 +386,18 @@ class BalanceMonitor(Callback):
         s = self.summary()
         console = Console()
         console.print(table)
+        shapes = self.per_shape()
+        if len(shapes) > 1 or self._active_cost_model is not None:
+            unit = "s" if self._active_cost_model is not None else f"B·S^{self.p:g}"
+            by_shape = Table(title="Per batch shape (rank 0)")
+            for col in ("B", "S", "steps", "mean step s", f"predicted {unit}", "measured / predicted", "tokens/s", "MFU"):
+                by_shape.add_column(col, justify="right")
+            for row in shapes:
+                ratio = row["measured_over_predicted"] if self._active_cost_model is not None else float("nan")
+                by_shape.add_row(str(row["B"]), f"{row['S']:,}", str(row["steps"]), f"{row['step_s']:.4f}",
+                                 f"{row['predicted']:.4g}", "-" if np.isnan(ratio) else f"{ratio:.3f}",
+                                 f"{row['tokens_per_s']:,.0f}", f"{row['mfu']:.1%}" if "mfu" in row else "-")
+            console.print(by_shape)
         mfu = ""
         if "tflops_per_gpu" in s:
             mfu = f" | {s['tflops_per_gpu']:.3g} model TFLOP/s per GPU" + (f", MFU {s['mfu']:.1%}" if "mfu" in s else "")

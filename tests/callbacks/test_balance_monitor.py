@@ -260,3 +260,28 @@ def test_allocator_counts_read_cuda_memory_stats(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: stats)
     assert balance_monitor._allocator_counts(torch.device("cuda", 0)) == (4, 9)
     assert balance_monitor._allocator_counts(torch.device("cpu")) == (0, 0)
+
+
+def test_per_shape_report_compares_training_steps_with_the_cost_model(tmp_path, monkeypatch, capsys):
+    _fake_clock(monkeypatch)  # every step takes 3 s
+    # Alternating shapes: B=3 of grid (2, 2, 3) (S = 12) and B=1 of grid (4, 2, 3) (S = 24).
+    data = [{"latents": torch.randn(3, 4, 2, 4, 6)} if k % 2 == 0 else {"latents": torch.randn(1, 4, 4, 4, 6)}
+            for k in range(7)]
+    loader = torch.utils.data.DataLoader(data, batch_size=None)
+    model = SimpleNamespace(predict=lambda b, s: 0.05 * b * s)  # 1.8 s and 1.2 s
+    monitor = BalanceMonitor(cost_model=model, warmup_steps=1, peak_tflops=100.0)
+    trainer = Trainer(default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=7, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      callbacks=[monitor])
+    trainer.fit(FlopsModule(), train_dataloaders=loader)
+    rows = monitor.per_shape()
+    # The warm-up step (the first B=3 batch) is left out: 3 counted steps of each shape, longest S first.
+    assert [(r["B"], r["S"], r["steps"]) for r in rows] == [(1, 24, 3), (3, 12, 3)]
+    assert [r["step_s"] for r in rows] == pytest.approx([3.0, 3.0])
+    assert [r["predicted"] for r in rows] == pytest.approx([1.2, 1.8])
+    assert [r["measured_over_predicted"] for r in rows] == pytest.approx([2.5, 3.0 / 1.8])
+    assert [r["tokens_per_s"] for r in rows] == pytest.approx([8.0, 12.0])
+    # 1e12 FLOPs per token: 24 TFLOP in 3 s -> 8 TFLOP/s of 100; 36 TFLOP -> 12%.
+    assert [r["mfu"] for r in rows] == pytest.approx([0.08, 0.12])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Per batch shape (rank 0)" in out and "2.500" in out and "1.667" in out
