@@ -23,7 +23,7 @@ TORCH_LOGS=${TORCH_LOGS:-recompiles} timeout ${RECIPE_TIMEOUT:-420} python3 -m l
     trainer.max_steps=${STEPS:-40} callbacks.balance_monitor.warmup_steps=${WARMUP:-10} logger=csv \
     trainer.enable_checkpointing=false '~callbacks.model_checkpoint' trainer.enable_progress_bar=false \
     data.dataset.num_samples=20000 callbacks.shape_benchmark.cache_dir="$OUT/cache" output_dir="$OUT/recipe" "$@" 2>&1 \
-  | grep -v -i "warnings.warn\|tip:\|litlogger" | while IFS= read -r line; do printf '%(%T)T %s\n' -1 "$line"; done \
+  | grep --line-buffered -v -i "warnings.warn\|tip:\|litlogger" | while IFS= read -r line; do printf '%(%T)T %s\n' -1 "$line"; done \
   | tee "$LOG" | grep -v "__recompiles\]" | tail -${TAIL:-70}
 echo "block graphs compiled: $(( $(grep -c 'Recompiling function forward' "$LOG") + 1 )) (from TORCH_LOGS=recompiles)"
 [ -n "$SMI_PID" ] && kill "$SMI_PID" 2>/dev/null

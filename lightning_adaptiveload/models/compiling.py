@@ -10,9 +10,11 @@ an error instead.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-__all__ = ["RECOMPILE_LIMIT", "compile_seconds", "configure_recompiles"]
+__all__ = ["RECOMPILE_LIMIT", "compile_seconds", "configure_recompiles", "whole_block_graphs"]
 
 #: Graphs allowed per compiled block: a static and a dynamic graph per (checkpointing mode, B = 1 or
 #: not), with room to spare. A corpus that needs more is a bug worth hearing about.
@@ -28,6 +30,23 @@ def configure_recompiles(limit: int = RECOMPILE_LIMIT) -> None:
     config.recompile_limit = max(int(config.recompile_limit), int(limit))
     config.accumulated_recompile_limit = max(int(config.accumulated_recompile_limit), 8 * int(limit))
     config.fail_on_recompile_limit_hit = True
+
+
+def whole_block_graphs() -> Any:
+    """Context in which compiled blocks called under DDP compile one graph each.
+
+    Inside a DDP forward, dynamo's DDP optimizer (``torch._dynamo.config.optimize_ddp``) splits every
+    graph at DDP's gradient-bucket boundaries (25 MB) so that all-reduce can start inside one large
+    graph's backward. A compiled block's backward already hands its gradients to DDP's reducer when it
+    ends, so with regional compilation the split adds nothing to overlap: it only cuts each block into
+    several inductor graphs (more to compile, fusions lost at the cuts). On torch 2.11 with CUDA it
+    also failed outright at the first backward of the Wan block ("CompiledFunctionBackward returned an
+    invalid gradient ... [1536] ... [1, 1, 1536]"). Read by dynamo when it compiles, so it is entered
+    around the block calls, not set globally for the user's other compiled code.
+    """
+    import torch._dynamo
+
+    return torch._dynamo.config.patch(optimize_ddp=False)
 
 
 def compile_seconds() -> float:

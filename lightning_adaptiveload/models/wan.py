@@ -31,6 +31,7 @@ Exact parameter counts (``WanModel(config).num_parameters()``): ``wan2_1_1_3b`` 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Mapping
@@ -42,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from lightning_adaptiveload.models.compiling import configure_recompiles, mark_dynamic
+from lightning_adaptiveload.models.compiling import configure_recompiles, mark_dynamic, whole_block_graphs
 from lightning_adaptiveload.modules.adaln import AdaLayerNorm
 
 __all__ = [
@@ -642,10 +643,11 @@ class WanModel(nn.Module):
             tokens = tokens.contiguous()
             for tensor, dims in ((e0, (0,)), (context, (0,)), (rope[0], (0,)), (rope[1], (0,))):
                 mark_dynamic(tensor, *dims)
-        for block in self.blocks:
-            if self._blocks_compiled:
-                mark_dynamic(tokens, 0, 1)
-            tokens = block(tokens, e0, context, rope, layout)
+        with whole_block_graphs() if self._blocks_compiled else contextlib.nullcontext():
+            for block in self.blocks:
+                if self._blocks_compiled:
+                    mark_dynamic(tokens, 0, 1)
+                tokens = block(tokens, e0, context, rope, layout)
         out = self.head(tokens, e)
         if layout is not None:
             out = layout.gather(out, 1)

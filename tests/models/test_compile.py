@@ -172,3 +172,37 @@ def test_compile_options_reach_every_block_and_are_checked(monkeypatch):
         FlowMatchingModule("tiny", compile_options=options)
     with pytest.raises(ValueError, match="Expected a mapping"):
         FlowMatchingModule("tiny", compile=True, compile_options=["max_autotune"])
+
+
+def test_compiled_blocks_under_ddp_compile_one_graph_each_not_one_per_gradient_bucket():
+    """Inside a DDP forward dynamo would cut each block's graph at DDP's gradient buckets; the blocks
+    opt out (their backward already hands DDP its gradients per block), and only around their calls."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch._dynamo.reset()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    torch.manual_seed(0)
+    # ~3 MB of parameters a block: several 1 MB DDP buckets, so the DDP optimizer would split a block.
+    model = WanModel({"preset": "tiny", "dim": 256, "ffn_dim": 512, "num_heads": 4})
+    ref = WanModel({"preset": "tiny", "dim": 256, "ffn_dim": 512, "num_heads": 4})
+    ref.load_state_dict(model.state_dict())
+    counter = torch._dynamo.testing.CompileCounter()
+    model.compile_blocks(backend=counter)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=1.0)
+    cfg = model.config
+    x, t, c = torch.randn(2, cfg.in_dim, 3, 8, 8), torch.rand(2) * 1000, torch.randn(2, cfg.text_len, cfg.text_dim)
+    out = ddp(x, t, c)
+    out.square().mean().backward()
+    want = ref(x, t, c)
+    want.square().mean().backward()
+    assert counter.frame_count == 1  # the DDP optimizer's split made it 4
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-6)
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert torch._dynamo.config.optimize_ddp is True  # the user's own compiled code keeps dynamo's default
