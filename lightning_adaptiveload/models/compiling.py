@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["RECOMPILE_LIMIT", "compile_seconds", "configure_recompiles", "whole_block_graphs"]
+__all__ = ["BLOCK_INDUCTOR_OPTIONS", "RECOMPILE_LIMIT", "block_compile_kwargs", "compile_seconds",
+           "configure_recompiles", "whole_block_graphs"]
 
 #: Graphs allowed per compiled block: a static and a dynamic graph per (checkpointing mode, B = 1 or
 #: not), with room to spare. A corpus that needs more is a bug worth hearing about.
@@ -30,6 +31,36 @@ def configure_recompiles(limit: int = RECOMPILE_LIMIT) -> None:
     config.recompile_limit = max(int(config.recompile_limit), int(limit))
     config.accumulated_recompile_limit = max(int(config.accumulated_recompile_limit), 8 * int(limit))
     config.fail_on_recompile_limit_hit = True
+
+
+#: Inductor options compiled blocks get unless the caller sets them (and where this torch has them).
+#: ``triton.mix_order_reduction_non_strict_mode``: inductor's mix-order reduction fusion (the row and
+#: column reductions of a norm's backward in one kernel) otherwise guards on size thresholds
+#: (``B·S >= 4096``, ``B·512·1536 >= 5 MiB`` for the Wan block), so a bucketed corpus compiled one graph
+#: per side of each threshold. Measured on one H200 with the 1.3B recipe: 2 block graphs instead of 4,
+#: the shape benchmark 62 s instead of 92 s, training 21,239 vs 21,209 tokens/s (no slower).
+BLOCK_INDUCTOR_OPTIONS: dict[str, Any] = {"triton.mix_order_reduction_non_strict_mode": True}
+
+
+def block_compile_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``torch.compile`` keyword arguments for a block: ``kwargs`` with :data:`BLOCK_INDUCTOR_OPTIONS`
+    filled in under ``options`` for the inductor backend, each only if the caller's options do not set
+    it and this torch's inductor knows it. A ``mode`` excludes ``options`` in ``torch.compile``, so
+    with one nothing is added."""
+    out = dict(kwargs)
+    backend = out.get("backend", "inductor")
+    if backend != "inductor" or out.get("mode") is not None:
+        return out
+    from torch._inductor import config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    options = dict(out.get("options") or {})
+    for name, value in BLOCK_INDUCTOR_OPTIONS.items():
+        if name in known and name not in options:
+            options[name] = value
+    if options:
+        out["options"] = options
+    return out
 
 
 def whole_block_graphs() -> Any:

@@ -43,7 +43,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from lightning_adaptiveload.models.compiling import configure_recompiles, mark_dynamic, whole_block_graphs
+from lightning_adaptiveload.models.compiling import (
+    block_compile_kwargs,
+    configure_recompiles,
+    mark_dynamic,
+    whole_block_graphs,
+)
 from lightning_adaptiveload.modules.adaln import AdaLayerNorm
 
 __all__ = [
@@ -551,9 +556,13 @@ class WanModel(nn.Module):
         each activation-checkpointing mode get their own), and the recompile limit is raised to
         :data:`~lightning_adaptiveload.models.compiling.RECOMPILE_LIMIT` with hitting it an error,
         never a silent fall-back to eager (:func:`~lightning_adaptiveload.models.compiling.configure_recompiles`).
-        ``kwargs`` go to :meth:`torch.nn.Module.compile` (e.g. ``mode``, ``backend``).
+        ``kwargs`` go to :meth:`torch.nn.Module.compile` (e.g. ``mode``, ``backend``, ``options``);
+        with inductor and no ``mode``, the options of
+        :data:`~lightning_adaptiveload.models.compiling.BLOCK_INDUCTOR_OPTIONS` are added unless
+        ``options`` sets them (they remove size-threshold recompiles).
         """
         configure_recompiles()
+        kwargs = block_compile_kwargs(kwargs)
         for block in self.blocks:
             block.compile(**kwargs)
         self._blocks_compiled = True

@@ -1,8 +1,10 @@
 """Regional compilation of the Wan blocks: exact numerics, and bucketed shapes do not recompile per bucket."""
 
+import pytest
 import torch
 import torch._dynamo.testing
 
+from lightning_adaptiveload.models.compiling import BLOCK_INDUCTOR_OPTIONS, block_compile_kwargs
 from lightning_adaptiveload.models.wan import WanModel
 
 GRIDS = [(1, 4, 4), (3, 4, 6), (5, 4, 6), (1, 8, 8), (2, 6, 6), (7, 2, 2), (1, 2, 2), (4, 4, 4), (9, 4, 4), (3, 3, 3)]
@@ -164,7 +166,7 @@ def test_compile_options_reach_every_block_and_are_checked(monkeypatch):
     assert seen == [{"options": options}] * len(module.model.blocks)
     seen.clear()
     FlowMatchingModule("tiny", compile=True, compile_options={}).configure_model()
-    assert seen == [{}] * 2  # empty: torch.compile's defaults
+    assert seen == [block_compile_kwargs({})] * 2  # empty: the blocks' default options
     with pytest.raises(ValueError, match="'triton.mix_order_reduction_non_strict' is not an inductor option.*"
                                          "mix_order_reduction_non_strict_mode"):
         FlowMatchingModule("tiny", compile=True, compile_options={"triton.mix_order_reduction_non_strict": True})
@@ -206,3 +208,48 @@ def test_compiled_blocks_under_ddp_compile_one_graph_each_not_one_per_gradient_b
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
     assert torch._dynamo.config.optimize_ddp is True  # the user's own compiled code keeps dynamo's default
+
+
+def test_blocks_get_the_default_inductor_options_unless_the_caller_sets_them(monkeypatch):
+    from torch._inductor import config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    have = {k: v for k, v in BLOCK_INDUCTOR_OPTIONS.items() if k in known}
+    assert block_compile_kwargs({}) == ({"options": have} if have else {})
+    name = "triton.mix_order_reduction_non_strict_mode"
+    if name in known:
+        assert have == {name: True}
+        # The caller's value wins, other options are kept.
+        assert block_compile_kwargs({"options": {name: False, "max_autotune": True}}) == {
+            "options": {name: False, "max_autotune": True}}
+    # `mode` excludes `options` in torch.compile; another backend gets nothing either.
+    assert block_compile_kwargs({"mode": "max-autotune"}) == {"mode": "max-autotune"}
+    assert block_compile_kwargs({"backend": "eager"}) == {"backend": "eager"}
+    # An option this torch does not have is left out, not passed on to fail.
+    monkeypatch.setitem(BLOCK_INDUCTOR_OPTIONS, "no_such_inductor_option", 1)
+    assert "no_such_inductor_option" not in block_compile_kwargs({}).get("options", {})
+    seen = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: seen.append(kw))
+    WanModel("tiny").compile_blocks()
+    assert seen == [block_compile_kwargs({})] * 2
+
+
+@pytest.mark.cuda
+def test_default_options_compile_one_graph_per_batch_class_on_the_gpu():
+    """Inductor's mix-order reduction guards on size thresholds (B·S >= 4096 and B·S·D-sized buffers);
+    with the default block options a Wan 1.3B-width block compiles two graphs (B = 1 and B > 1) for
+    every bucket of the 480p mix, where the thresholds alone made four."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = WanModel({"preset": "wan2_1_1_3b", "num_layers": 2}).cuda()
+    model.compile_blocks()
+    cfg = model.config
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        for b, f in [(1, 21), (1, 1), (6, 1), (24, 1), (2, 9), (4, 5)]:  # (B, frames of a 30 x 52 token grid)
+            x = torch.randn(b, cfg.in_dim, f, 60, 104, device="cuda")
+            out = model(x, torch.rand(b, device="cuda") * 1000, torch.randn(b, cfg.text_len, cfg.text_dim, device="cuda"))
+            out.float().square().mean().backward()
+    assert counters["stats"]["unique_graphs"] == 2
