@@ -479,6 +479,21 @@ class WanHead(nn.Module):
             return F.linear(y.float(), self.head.weight.float(), bias)
 
 
+@torch._dynamo.disable  # runs eagerly before the block's forward frame is compiled (a traced mark is refused)
+def _mark_block_inputs_dynamic(block: nn.Module, args: tuple[Any, ...]) -> None:
+    """Forward pre-hook of a compiled block: batch and sequence sizes of the tensors it is called
+    with are symbolic from the first graph on (tokens ``[B, S, D]``: B and S; ``e0``, ``context``: B;
+    RoPE ``(cos, sin)``: S)."""
+    if len(args) < 4:
+        return
+    x, e0, context, rope = args[:4]
+    mark_dynamic(x, 0, 1)
+    mark_dynamic(e0, 0)
+    mark_dynamic(context, 0)
+    for angles in rope:
+        mark_dynamic(angles, 0)
+
+
 class WanModel(nn.Module):
     """Wan 2.1 text-to-video DiT.
 
@@ -565,6 +580,12 @@ class WanModel(nn.Module):
         kwargs = block_compile_kwargs(kwargs)
         for block in self.blocks:
             block.compile(**kwargs)
+            if not self._blocks_compiled:
+                # A pre-hook, not marks in forward(): FSDP2's pre-forward hook (prepended, so it runs
+                # before this one) hands the block new tensor objects (it routes them through an
+                # autograd function for its post-backward hook), and marks on the caller's tensors
+                # would be lost: the first graph would be static and every block class compile twice.
+                block.register_forward_pre_hook(_mark_block_inputs_dynamic)
         self._blocks_compiled = True
 
     def num_parameters(self) -> int:
@@ -649,13 +670,10 @@ class WanModel(nn.Module):
             # first block's tokens would be a transposed view of the patch embedding (dynamo guards
             # on its base's strides) while later blocks get fresh tensors, and a dynamic-size mark
             # must be on every block's input, not only the first one's.
+            # The sizes are marked dynamic by each block's pre-hook (compile_blocks).
             tokens = tokens.contiguous()
-            for tensor, dims in ((e0, (0,)), (context, (0,)), (rope[0], (0,)), (rope[1], (0,))):
-                mark_dynamic(tensor, *dims)
         with whole_block_graphs() if self._blocks_compiled else contextlib.nullcontext():
             for block in self.blocks:
-                if self._blocks_compiled:
-                    mark_dynamic(tokens, 0, 1)
                 tokens = block(tokens, e0, context, rope, layout)
         out = self.head(tokens, e)
         if layout is not None:

@@ -208,3 +208,21 @@ def test_initialize_refuses_modules_without_reset_parameters():
 
     with pytest.raises(TypeError, match=r"\['Bare'\].*reset_parameters"):
         initialize_(torch.nn.Sequential(Bare()))
+
+
+def test_compiled_sharded_blocks_compile_one_graph_for_every_sequence_length(one_rank):
+    """FSDP2's pre-forward hook hands each block new tensors; the blocks' own pre-hook marks those, so
+    the first graph already has symbolic sizes (otherwise a static graph, then a dynamic one)."""
+    torch._dynamo.reset()
+    with torch.device("meta"):
+        model = WanModel("tiny")
+    model.set_gradient_checkpointing("none")
+    counter = torch._dynamo.testing.CompileCounter()
+    model.compile_blocks(backend=counter)
+    fully_shard_model(model, one_rank, [WanAttentionBlock], param_dtype=None,
+                      fp32_modules=[model.time_embedding, model.head])
+    materialize_(model, "cpu")
+    for frames in (3, 5, 7):
+        x, t, ctx = torch.randn(2, 16, frames, 8, 8), torch.tensor([100.0, 800.0]), torch.randn(2, 16, 32)
+        model(x, t, ctx).square().mean().backward()
+    assert counter.frame_count == 1
