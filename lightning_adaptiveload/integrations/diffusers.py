@@ -30,6 +30,7 @@ every gradient against the unpatched model.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -49,6 +50,12 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_adaptiveload.geometry import tokens_of
+from lightning_adaptiveload.models.compiling import (
+    check_compile_options,
+    compile_blocks,
+    mark_dynamic,
+    whole_block_graphs,
+)
 from lightning_adaptiveload.models.flow_matching import rectified_flow_loss
 from lightning_adaptiveload.models.optim import adamw, check_optimizer_impl, clip_gradients
 from lightning_adaptiveload.ops import adaln
@@ -260,6 +267,23 @@ def _forward_macs(config: Mapping[str, Any], seq_len: int, text_len: int) -> int
     return embed + config["num_layers"] * (self_attn + cross_attn + ffn) + head
 
 
+def _mark_diffusers_block_inputs(block: nn.Module, args: tuple[Any, ...]) -> None:
+    """Pre-hook of a compiled ``WanTransformerBlock`` called as ``block(hidden_states [B, S, D],
+    encoder_hidden_states [B, L, D], temb [B, 6, D] or [B, S, 6, D], rotary_emb ([1, S, 1, d], ...))``:
+    B and S symbolic."""
+    if len(args) < 4 or not isinstance(args[0], torch.Tensor) or args[0].ndim != 3:
+        return
+    hidden, context, temb, rotary = args[:4]
+    mark_dynamic(hidden, 0, 1)
+    if isinstance(context, torch.Tensor):
+        mark_dynamic(context, 0)
+    if isinstance(temb, torch.Tensor):
+        mark_dynamic(temb, *((0, 1) if temb.ndim == 4 else (0,)))
+    for freqs in rotary if isinstance(rotary, (tuple, list)) else (rotary,):
+        if isinstance(freqs, torch.Tensor) and freqs.ndim >= 2:
+            mark_dynamic(freqs, 1)
+
+
 class DiffusersWanModule(pl.LightningModule):
     """Trains diffusers' ``WanTransformer3DModel`` with Wan's rectified-flow objective.
 
@@ -284,6 +308,13 @@ class DiffusersWanModule(pl.LightningModule):
         gradient_checkpointing: diffusers' per-block activation checkpointing.
         optimizer_impl: AdamW's implementation, ``"auto"`` (fused on CUDA with replicated parameters),
             ``"fused"`` or ``"foreach"`` (:mod:`lightning_adaptiveload.models.optim`).
+        compile: compile every ``WanTransformerBlock`` with ``torch.compile`` in :meth:`configure_model`
+            (regional compilation, like diffusers' ``compile_repeated_blocks``, plus what a bucketed
+            corpus needs: batch and sequence sizes symbolic from the first graph, the recompile limit
+            raised with hitting it an error, one graph per block under DDP; see
+            :func:`lightning_adaptiveload.models.compiling.compile_blocks`).
+        compile_options: inductor options for the compiled blocks, checked against
+            ``torch._inductor.config``; needs ``compile=True``.
 
     Example::
 
@@ -304,10 +335,15 @@ class DiffusersWanModule(pl.LightningModule):
         num_train_timesteps: int = 1000,
         gradient_checkpointing: bool = False,
         optimizer_impl: str = "auto",
+        compile: bool = False,
+        compile_options: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
         cls = type(self).__name__
         check_optimizer_impl(optimizer_impl, cls)
+        if not isinstance(compile, bool):
+            raise ValueError(f"`{cls}(compile={compile!r})` is not valid. Expected true or false.")
+        compile_options = check_compile_options(compile_options, compile, cls)
         if isinstance(transformer, WanTransformer3DModel):
             config = {k: v for k, v in transformer.config.items() if not k.startswith("_")}
         elif isinstance(transformer, Mapping):
@@ -336,6 +372,7 @@ class DiffusersWanModule(pl.LightningModule):
         self.transformer_config = config
         self.patch_size: tuple[int, int, int] = tuple(int(p) for p in self._cfg("patch_size"))  # type: ignore[assignment]
         self.transformer: WanTransformer3DModel | None = model
+        self._blocks_compiled = False
         if model is not None and gradient_checkpointing:
             model.enable_gradient_checkpointing()
 
@@ -348,11 +385,16 @@ class DiffusersWanModule(pl.LightningModule):
     @override
     def configure_model(self) -> None:
         """Build the transformer from its config once (Lightning calls this in the strategy's init context)."""
-        if self.transformer is not None:
-            return
-        self.transformer = WanTransformer3DModel(**self.transformer_config)
-        if self.hparams.gradient_checkpointing:
-            self.transformer.enable_gradient_checkpointing()
+        if self.transformer is None:
+            self.transformer = WanTransformer3DModel(**self.transformer_config)
+            if self.hparams.gradient_checkpointing:
+                self.transformer.enable_gradient_checkpointing()
+        if self.hparams.get("compile", False) and not self._blocks_compiled:
+            # Lazy: the forwards that FusedAdaLNCallback patches in before the first step are traced.
+            options = self.hparams.get("compile_options")
+            blocks = [m for m in self.transformer.modules() if isinstance(m, WanTransformerBlock)]
+            compile_blocks(blocks, _mark_diffusers_block_inputs, **({"options": dict(options)} if options else {}))
+            self._blocks_compiled = True
 
     def _require_model(self) -> WanTransformer3DModel:
         if self.transformer is None:
@@ -367,7 +409,8 @@ class DiffusersWanModule(pl.LightningModule):
         """Velocity prediction for latents ``x``, timesteps ``t`` in [0, num_train_timesteps] and ``context``."""
         model = self._require_model()
         dtype = model.patch_embedding.weight.dtype
-        return model(x.to(dtype), t, context.to(dtype), return_dict=False)[0]
+        with whole_block_graphs() if self._blocks_compiled else contextlib.nullcontext():
+            return model(x.to(dtype), t, context.to(dtype), return_dict=False)[0]
 
     def compute_loss(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Rectified-flow loss (fp32 scalar) of a batch with ``latents [B,C,F,H,W]`` and ``context [B,L,D]``."""

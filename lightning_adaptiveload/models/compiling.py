@@ -10,12 +10,14 @@ an error instead.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
-__all__ = ["BLOCK_INDUCTOR_OPTIONS", "RECOMPILE_LIMIT", "block_compile_kwargs", "compile_seconds",
-           "configure_recompiles", "whole_block_graphs"]
+__all__ = ["BLOCK_INDUCTOR_OPTIONS", "RECOMPILE_LIMIT", "block_compile_kwargs", "check_compile_options", "compile_blocks",
+           "compile_seconds", "configure_recompiles", "mark_dynamic", "whole_block_graphs"]
 
 #: Graphs allowed per compiled block: a static and a dynamic graph per (checkpointing mode, B = 1 or
 #: not), with room to spare. A corpus that needs more is a bug worth hearing about.
@@ -61,6 +63,68 @@ def block_compile_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     if options:
         out["options"] = options
     return out
+
+
+def check_compile_options(options: Mapping[str, Any] | None, compile: bool,
+                           owner: str = "FlowMatchingModule") -> dict[str, Any] | None:
+    """``compile_options`` of ``owner`` as a plain dict (``None`` if empty), each name checked against
+    ``torch._inductor.config``.
+
+    Raises:
+        ValueError: not a mapping of names; options without ``compile``; a name inductor does not know
+            (with the closest names).
+    """
+    if options is None or (isinstance(options, Mapping) and not options):
+        return None
+    if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
+        raise ValueError(f"`{owner}(compile_options={options!r})` is not valid. Expected a mapping of "
+                         "inductor option names to values, e.g. {'triton.mix_order_reduction_non_strict_mode': True}.")
+    if not compile:
+        raise ValueError(f"`{owner}(compile_options={dict(options)!r})` needs `compile=True` "
+                         "(model.compile=true); without it nothing is compiled.")
+    import difflib
+
+    from torch._inductor import config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    for name in options:
+        if name not in known:
+            close = difflib.get_close_matches(name, list(known), n=3)
+            raise ValueError(f"`{owner}(compile_options=...)`: {name!r} is not an inductor option of this "
+                             f"torch ({torch.__version__}). Close names: {close or 'none'}; see torch._inductor.config.")
+    return dict(options)
+
+
+def compile_blocks(blocks: Iterable[nn.Module], mark_inputs: Callable[[nn.Module, tuple[Any, ...]], None] | None,
+                   **kwargs: Any) -> int:
+    """Compile each of ``blocks`` in place (regional compilation: blocks of one class share a graph).
+
+    Raises the recompile limit (:func:`configure_recompiles`), fills in :data:`BLOCK_INDUCTOR_OPTIONS`
+    (:func:`block_compile_kwargs`) and passes ``kwargs`` to :meth:`torch.nn.Module.compile`.
+    ``mark_inputs(block, args)``, if given, runs as each block's forward pre-hook, outside the
+    compiled code, to mark the batch and sequence dims of the tensors the block is called with
+    dynamic (:func:`mark_dynamic`), so the first graph already has symbolic sizes. A pre-hook, not
+    marks made by the caller: FSDP2's pre-forward hook (prepended, so it runs before this one) hands
+    the block new tensor objects, and marks on the caller's tensors would be lost. A block compiled
+    before gets no second hook. Run the blocks inside :func:`whole_block_graphs` under DDP.
+
+    Returns:
+        The number of blocks compiled.
+    """
+    import torch._dynamo
+
+    configure_recompiles()
+    kwargs = block_compile_kwargs(kwargs)
+    n = 0
+    for block in blocks:
+        first = getattr(block, "_compiled_call_impl", None) is None
+        block.compile(**kwargs)
+        if first and mark_inputs is not None:
+            # Disabled for dynamo: it runs eagerly before the block's forward frame is compiled
+            # (dynamo refuses a mark inside traced code).
+            block.register_forward_pre_hook(torch._dynamo.disable(mark_inputs))
+        n += 1
+    return n
 
 
 def whole_block_graphs() -> Any:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from typing_extensions import override
 
 from lightning_adaptiveload.geometry import tokens_of
+from lightning_adaptiveload.models.compiling import check_compile_options
 from lightning_adaptiveload.models.optim import adamw, check_optimizer_impl, clip_gradients, use_fused_adamw
 from lightning_adaptiveload.models.wan import (
     CHECKPOINTING_MODES,
@@ -111,29 +112,6 @@ _PARAM_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 def _linear_warmup(step: int, warmup_steps: int) -> float:
     return min(1.0, (step + 1) / warmup_steps)
-
-
-def _check_compile_options(options: Mapping[str, Any] | None, compile: bool) -> dict[str, Any] | None:
-    """``compile_options`` as a plain dict, checked against inductor's option names."""
-    if options is None or (isinstance(options, Mapping) and not options):
-        return None
-    if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
-        raise ValueError(f"`FlowMatchingModule(compile_options={options!r})` is not valid. Expected a mapping of "
-                         "inductor option names to values, e.g. {'triton.mix_order_reduction_non_strict_mode': True}.")
-    if not compile:
-        raise ValueError(f"`FlowMatchingModule(compile_options={dict(options)!r})` needs `compile=True` "
-                         "(model.compile=true); without it nothing is compiled.")
-    import difflib
-
-    from torch._inductor import config as inductor_config
-
-    known = inductor_config.get_config_copy()
-    for name in options:
-        if name not in known:
-            close = difflib.get_close_matches(name, list(known), n=3)
-            raise ValueError(f"`FlowMatchingModule(compile_options=...)`: {name!r} is not an inductor option of this "
-                             f"torch ({torch.__version__}). Close names: {close or 'none'}; see torch._inductor.config.")
-    return dict(options)
 
 
 class FlowMatchingModule(pl.LightningModule):
@@ -243,7 +221,7 @@ class FlowMatchingModule(pl.LightningModule):
         super().__init__()
         if not isinstance(compile, bool):
             raise ValueError(f"`FlowMatchingModule(compile={compile!r})` is not valid. Expected true or false.")
-        compile_options = _check_compile_options(compile_options, compile)
+        compile_options = check_compile_options(compile_options, compile)
         check_optimizer_impl(optimizer_impl, "FlowMatchingModule")
         if fsdp_param_dtype not in _PARAM_DTYPES:
             raise ValueError(

@@ -43,12 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from lightning_adaptiveload.models.compiling import (
-    block_compile_kwargs,
-    configure_recompiles,
-    mark_dynamic,
-    whole_block_graphs,
-)
+from lightning_adaptiveload.models.compiling import compile_blocks as compile_repeated
+from lightning_adaptiveload.models.compiling import mark_dynamic, whole_block_graphs
 from lightning_adaptiveload.modules.adaln import AdaLayerNorm
 
 __all__ = [
@@ -479,7 +475,6 @@ class WanHead(nn.Module):
             return F.linear(y.float(), self.head.weight.float(), bias)
 
 
-@torch._dynamo.disable  # runs eagerly before the block's forward frame is compiled (a traced mark is refused)
 def _mark_block_inputs_dynamic(block: nn.Module, args: tuple[Any, ...]) -> None:
     """Forward pre-hook of a compiled block: batch and sequence sizes of the tensors it is called
     with are symbolic from the first graph on (tokens ``[B, S, D]``: B and S; ``e0``, ``context``: B;
@@ -576,16 +571,7 @@ class WanModel(nn.Module):
         :data:`~lightning_adaptiveload.models.compiling.BLOCK_INDUCTOR_OPTIONS` are added unless
         ``options`` sets them (they remove size-threshold recompiles).
         """
-        configure_recompiles()
-        kwargs = block_compile_kwargs(kwargs)
-        for block in self.blocks:
-            block.compile(**kwargs)
-            if not self._blocks_compiled:
-                # A pre-hook, not marks in forward(): FSDP2's pre-forward hook (prepended, so it runs
-                # before this one) hands the block new tensor objects (it routes them through an
-                # autograd function for its post-backward hook), and marks on the caller's tensors
-                # would be lost: the first graph would be static and every block class compile twice.
-                block.register_forward_pre_hook(_mark_block_inputs_dynamic)
+        compile_repeated(self.blocks, _mark_block_inputs_dynamic, **kwargs)
         self._blocks_compiled = True
 
     def num_parameters(self) -> int:

@@ -303,3 +303,73 @@ def test_fused_kernel_matches_unpatched_model_in_bf16(per_token):
         ref_g = grads_ref[name].float()
         err = (g.float() - ref_g).norm() / ref_g.norm().clamp_min(1e-6)
         assert err < 2e-2, f"{name}: relative error {err:.3g}"
+
+
+def _compiled_module(monkeypatch, counter, config=None, **kwargs) -> DiffusersWanModule:
+    """A DiffusersWanModule(compile=True) whose blocks compile with ``counter`` as the backend."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    real = integ.compile_blocks
+    monkeypatch.setattr(integ, "compile_blocks", lambda blocks, mark, **kw: real(blocks, mark, backend=counter))
+    module = DiffusersWanModule(dict(config or TINY), text_len=3, compile=True, **kwargs)
+    module.configure_model()
+    return module
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_compiled_blocks_match_eager_with_one_graph_for_every_bucket(monkeypatch, patched):
+    import torch._dynamo.testing
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    module = _compiled_module(monkeypatch, counter)
+    ref = copy.deepcopy(module.transformer)
+    module.configure_model()  # a second call compiles nothing again
+    blocks = list(module.transformer.blocks)
+    assert all(b._compiled_call_impl is not None for b in blocks) and len(blocks[0]._forward_pre_hooks) == 1
+    if patched:  # the fused-AdaLN forwards are what gets traced (compilation is lazy)
+        patch_wan_transformer(module.transformer)
+        patch_wan_transformer(ref)
+    for grid in [(2, 2, 3), (3, 2, 3), (1, 4, 4)]:  # three token counts, B = 2
+        x, t, context = _inputs(False, grid)
+        want = ref(x, t, context, return_dict=False)[0]
+        got = module(x, t, context)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        got.square().mean().backward()
+        want.square().mean().backward()
+        for (name, p), (_, q) in zip(module.transformer.named_parameters(), ref.named_parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    # Sizes are symbolic from the first graph on: one graph for every token count.
+    assert counter.frame_count == 1
+
+
+def test_compiled_blocks_under_ddp_compile_one_graph_each(monkeypatch):
+    import socket
+
+    import torch._dynamo.testing
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    # ~3 MB of parameters a block: several 1 MB buckets, which the DDP optimizer would cut it at.
+    config = {**TINY, "num_attention_heads": 4, "attention_head_dim": 64, "ffn_dim": 512}
+    module = _compiled_module(monkeypatch, counter, config)
+    ddp = DistributedDataParallel(module, bucket_cap_mb=1.0)
+    x, t, context = _inputs(False, (2, 2, 3))
+    context = torch.randn(2, 3, config["text_dim"])
+    ddp(x, t, context).square().mean().backward()
+    assert counter.frame_count == 1
+    assert torch._dynamo.config.optimize_ddp is True
+
+
+def test_compile_arguments_are_checked():
+    with pytest.raises(ValueError, match=r"DiffusersWanModule\(compile='yes'\)"):
+        DiffusersWanModule(dict(TINY), compile="yes")
+    with pytest.raises(ValueError, match=r"DiffusersWanModule\(compile_options=.*needs `compile=True`"):
+        DiffusersWanModule(dict(TINY), compile_options={"max_autotune": True})
+    with pytest.raises(ValueError, match="'max_autotun' is not an inductor option"):
+        DiffusersWanModule(dict(TINY), compile=True, compile_options={"max_autotun": True})
