@@ -341,8 +341,6 @@ class DiffusersWanModule(pl.LightningModule):
         super().__init__()
         cls = type(self).__name__
         check_optimizer_impl(optimizer_impl, cls)
-        if not isinstance(compile, bool):
-            raise ValueError(f"`{cls}(compile={compile!r})` is not valid. Expected true or false.")
         compile_options = check_compile_options(compile_options, compile, cls)
         if isinstance(transformer, WanTransformer3DModel):
             config = {k: v for k, v in transformer.config.items() if not k.startswith("_")}

@@ -67,13 +67,15 @@ def block_compile_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def check_compile_options(options: Mapping[str, Any] | None, compile: bool,
                            owner: str = "FlowMatchingModule") -> dict[str, Any] | None:
-    """``compile_options`` of ``owner`` as a plain dict (``None`` if empty), each name checked against
-    ``torch._inductor.config``.
+    """``owner``'s ``compile`` flag and ``compile_options``: the options as a plain dict (``None`` if
+    empty), each name checked against ``torch._inductor.config``.
 
     Raises:
-        ValueError: not a mapping of names; options without ``compile``; a name inductor does not know
-            (with the closest names).
+        ValueError: ``compile`` not a bool; options not a mapping of names; options without ``compile``;
+            a name inductor does not know (with the closest names).
     """
+    if not isinstance(compile, bool):
+        raise ValueError(f"`{owner}(compile={compile!r})` is not valid. Expected true or false.")
     if options is None or (isinstance(options, Mapping) and not options):
         return None
     if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
@@ -96,7 +98,7 @@ def check_compile_options(options: Mapping[str, Any] | None, compile: bool,
 
 
 def compile_blocks(blocks: Iterable[nn.Module], mark_inputs: Callable[[nn.Module, tuple[Any, ...]], None] | None,
-                   **kwargs: Any) -> int:
+                   **kwargs: Any) -> None:
     """Compile each of ``blocks`` in place (regional compilation: blocks of one class share a graph).
 
     Raises the recompile limit (:func:`configure_recompiles`), fills in :data:`BLOCK_INDUCTOR_OPTIONS`
@@ -107,15 +109,11 @@ def compile_blocks(blocks: Iterable[nn.Module], mark_inputs: Callable[[nn.Module
     marks made by the caller: FSDP2's pre-forward hook (prepended, so it runs before this one) hands
     the block new tensor objects, and marks on the caller's tensors would be lost. A block compiled
     before gets no second hook. Run the blocks inside :func:`whole_block_graphs` under DDP.
-
-    Returns:
-        The number of blocks compiled.
     """
     import torch._dynamo
 
     configure_recompiles()
     kwargs = block_compile_kwargs(kwargs)
-    n = 0
     for block in blocks:
         first = getattr(block, "_compiled_call_impl", None) is None
         block.compile(**kwargs)
@@ -123,8 +121,6 @@ def compile_blocks(blocks: Iterable[nn.Module], mark_inputs: Callable[[nn.Module
             # Disabled for dynamo: it runs eagerly before the block's forward frame is compiled
             # (dynamo refuses a mark inside traced code).
             block.register_forward_pre_hook(torch._dynamo.disable(mark_inputs))
-        n += 1
-    return n
 
 
 def whole_block_graphs() -> Any:

@@ -219,8 +219,6 @@ class FlowMatchingModule(pl.LightningModule):
         compile_options: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(compile, bool):
-            raise ValueError(f"`FlowMatchingModule(compile={compile!r})` is not valid. Expected true or false.")
         compile_options = check_compile_options(compile_options, compile)
         check_optimizer_impl(optimizer_impl, "FlowMatchingModule")
         if fsdp_param_dtype not in _PARAM_DTYPES:

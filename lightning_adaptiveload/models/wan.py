@@ -654,9 +654,8 @@ class WanModel(nn.Module):
         if self._blocks_compiled:
             # Every block must see the same kind of input, or blocks compile graphs of their own: the
             # first block's tokens would be a transposed view of the patch embedding (dynamo guards
-            # on its base's strides) while later blocks get fresh tensors, and a dynamic-size mark
-            # must be on every block's input, not only the first one's.
-            # The sizes are marked dynamic by each block's pre-hook (compile_blocks).
+            # on its base's strides) while later blocks get fresh tensors. Each block's pre-hook
+            # marks the sizes of its inputs dynamic (compile_blocks).
             tokens = tokens.contiguous()
         with whole_block_graphs() if self._blocks_compiled else contextlib.nullcontext():
             for block in self.blocks:
