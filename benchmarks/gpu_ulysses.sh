@@ -9,10 +9,8 @@
 set -uo pipefail
 OUT="${OUT:?set OUT to a directory for the results}"
 cd "$(dirname "$0")/.."
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
+# shellcheck source=device_env.sh
+source benchmarks/device_env.sh
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 start=$(date +%s)
