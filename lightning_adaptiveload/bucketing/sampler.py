@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +62,59 @@ class OversizeSampleError(ValueError):
     def __init__(self, index: int, message: str) -> None:
         super().__init__(message)
         self.index = int(index)
+
+
+def _label(index: int, sample_label: Callable[[int], str] | None) -> str:
+    """``sample_label(index)`` (e.g. ``manifest row 17 (clip_0042.mp4)``), else ``sample <index>``."""
+    if sample_label is not None:
+        try:
+            return str(sample_label(int(index)))
+        except Exception:  # noqa: BLE001 - a label is a courtesy; the error it decorates must still be raised
+            pass
+    return f"sample {int(index)}"
+
+
+def oversize_error(
+    seq_lens: np.ndarray,
+    limit: int | None,
+    oversize: str = "error",
+    sample_label: Callable[[int], str] | None = None,
+    *,
+    grids: np.ndarray | None = None,
+    budget: str = "",
+) -> OversizeSampleError | None:
+    """The one rule for samples longer than the memory budget: the error to raise, or ``None``.
+
+    ``None`` when every sample fits, ``limit`` is ``None`` or ``oversize != "error"`` (``"skip"``:
+    leave them out, counted by the caller). The error names the first such sample in dataset order
+    by ``sample_label(index)`` (a dataset's manifest row and file; ``sample <i>`` without one), its
+    S and token grid, how many samples are too long, and the fixes.
+
+    Args:
+        seq_lens: tokens S per sample, in dataset order.
+        limit: the longest S that fits one device (the policy's ``max_seq_len`` / ``m_mem``).
+        oversize: the policy's ``oversize`` mode.
+        sample_label: ``index -> str`` naming a sample's source (``dataset.sample_label``).
+        grids: per-sample token grids ``[N, 3]`` for the message (optional).
+        budget: what ``limit`` is, e.g. ``"of DualConstraintPolicy(m_mem=4096, ...)"``.
+    """
+    if limit is None or oversize != "error":
+        return None
+    seq = np.asarray(seq_lens)
+    over = seq > limit
+    if not over.any():
+        return None
+    i = int(np.argmax(over))
+    grid = f" (token grid {tuple(int(v) for v in grids[i])})" if grids is not None else ""
+    count = int(over.sum())
+    return OversizeSampleError(
+        i,
+        f"{_label(i, sample_label)}: S={int(seq[i]):,} tokens{grid} is above the memory budget of {int(limit):,} "
+        f"tokens{f' {budget}' if budget else ''}; it would run out of memory even alone "
+        f"({count} sample{'s' if count > 1 else ''} in all {'are' if count > 1 else 'is'} that long). Raise "
+        "`m_mem` (or enable activation checkpointing / shard the model), crop or remove such samples, or set "
+        "`oversize='skip'` on the policy (bucketing.policy.oversize=skip) to leave them out (counted).",
+    )
 
 
 @dataclass
@@ -263,6 +316,8 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
             to let the longest buckets train on SP groups of k ranks inside a node (see
             :mod:`lightning_adaptiveload.bucketing.sequence_parallel`); every rank of a group yields the
             same batch at the same step. ``None`` (default): data parallel only, the plan unchanged.
+        sample_label: ``index -> str`` naming a sample's source in errors (a dataset's ``sample_label``,
+            e.g. ``manifest row 17 (clip_0042.mp4)``); ``None``: ``sample <index>``.
 
     Raises:
         ValueError: bad arguments, an empty dataset, a grid that is not three positive integers, or
@@ -288,6 +343,7 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
         balance: str = "cost",
         cost_model: CostPredictor | None = None,
         sequence_parallel: SequenceParallelConfig | None = None,
+        sample_label: Callable[[int], str] | None = None,
     ) -> None:
         name = type(self).__name__
         if not callable(getattr(policy, "batch_sizes", None)):
@@ -320,6 +376,7 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
                 "or None."
             )
         self.sequence_parallel = sequence_parallel
+        self.sample_label = sample_label
         self._index_shapes(shapes)
 
         self.epoch = 0
@@ -360,16 +417,12 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
             return
         limit = getattr(policy, "max_seq_len", None)
         over = (self.bucket_seq_lens > limit) if limit is not None else np.zeros(len(self.bucket_seq_lens), bool)
-        if over.any() and getattr(policy, "oversize", "error") == "error":
-            k = int(np.flatnonzero(over)[0])
-            i = int(np.flatnonzero(self._bucket_of == k)[0])
-            raise OversizeSampleError(
-                i,
-                f"Sample {i} has token grid {tuple(self.bucket_grids[k].tolist())} (S={int(self.bucket_seq_lens[k])} "
-                f"tokens; {int(self.bucket_counts[over].sum())} samples in all are that large), above the memory "
-                f"budget {limit} of {policy!r}: it would run out of memory even alone. Raise `m_mem`, crop or "
-                "remove such samples, or build the policy with `oversize='skip'` to leave them out (counted)."
-            )
+        if over.any():
+            # Per-sample arrays only on this (rare) path: the error names the first such sample.
+            err = oversize_error(self.bucket_seq_lens[self._bucket_of], limit, getattr(policy, "oversize", "error"),
+                                 self.sample_label, grids=self.bucket_grids[self._bucket_of], budget=f"of {policy!r}")
+            if err is not None:
+                raise err
         self.bucket_batch_sizes = np.asarray(policy.batch_sizes(self.bucket_seq_lens), dtype=np.int64)
         self.bucket_batch_sizes[over] = 0
         self.bucket_degrees = np.ones(len(self.bucket_seq_lens), dtype=np.int64)
@@ -410,7 +463,7 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
         usable = cfg.usable_degrees(num_replicas) if cfg is not None else []
         return OversizeSampleError(
             i,
-            f"Sample {i} has token grid {tuple(self.bucket_grids[bucket].tolist())} (S="
+            f"{_label(i, self.sample_label)} has token grid {tuple(self.bucket_grids[bucket].tolist())} (S="
             f"{int(self.bucket_seq_lens[bucket])} tokens), above the memory budget "
             f"{getattr(self.policy, 'max_seq_len', None)} of {self.policy!r} even split over the sequence-parallel "
             f"degrees usable on {num_replicas} ranks ({usable or 'none'}; configured {list(cfg.degrees) if cfg else []}). "
@@ -656,16 +709,28 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
                 "settings": json.loads(json.dumps(self._settings(), default=str)),
                 "shapes": self.shapes_fingerprint()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    @property
+    def steps_taken(self) -> int:
+        """Global steps of the current epoch taken before this iteration (a loaded state's count)."""
+        return sum(k for _, k in self._segments) + self._offset
+
+    def load_state_dict(self, state: dict[str, Any], *, allow_unverified: bool = False) -> None:
         """Resume from :meth:`state_dict`, possibly saved under a different ``num_replicas``.
 
         Every field is type- and range-checked before anything changes.
+
+        Args:
+            state: a :meth:`state_dict`.
+            allow_unverified: load a state without the ``shapes`` or ``fingerprint`` fields (written
+                by an older release), whose dataset and settings cannot be checked. Off by default: such
+                a state resumed on a changed dataset or policy silently loses and repeats samples.
 
         Raises:
             ValueError: a field is missing, of the wrong type or out of range; or the dataset (its size
                 or any sample's token grid), the seed or the plan settings (policy, balance, shuffle,
                 drop_last, cost model) differ from those at save time, so the samples already seen
-                cannot be reconstructed. The message names the field that differs.
+                cannot be reconstructed; or the state cannot be checked and ``allow_unverified`` is
+                off. The message names the field that differs and both values.
         """
         if not isinstance(state, dict):
             raise ValueError(f"The sampler state is a {type(state).__name__}, not a dict.")
@@ -673,6 +738,14 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
         if version not in _READABLE_STATE_VERSIONS:
             raise ValueError(
                 f"The sampler state has version={version!r}; this release reads versions {_READABLE_STATE_VERSIONS}."
+            )
+        unchecked = [k for k in ("shapes", "fingerprint") if state.get(k) is None]
+        if unchecked and not allow_unverified:
+            raise ValueError(
+                f"The sampler state has no {' or '.join(f'`{k}`' for k in unchecked)} (written by an older release), "
+                "so a changed dataset or policy cannot be detected and would silently skip and repeat samples. "
+                "Resume from an end-of-epoch checkpoint, or, if the dataset and settings are unchanged, allow it "
+                "with `allow_unverified_resume=True`."
             )
 
         def _int(name: str, value: Any, low: int) -> int:
@@ -689,9 +762,10 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
         shapes = state.get("shapes")
         if shapes is not None and shapes != self.shapes_fingerprint():
             raise ValueError(
-                "The sampler state's `shapes` fingerprint differs: the dataset has as many samples as at save "
-                "time, but some token grids changed, so the samples already seen this epoch cannot be "
-                "reconstructed. Resume with the same dataset, or from an end-of-epoch checkpoint."
+                f"The sampler state has shapes={shapes!r} but the dataset has shapes={self.shapes_fingerprint()!r} "
+                "(a hash of every token grid): the dataset has as many samples as at save time, but some token "
+                "grids changed, so the samples already seen this epoch cannot be reconstructed. Resume with the "
+                "same dataset, or from an end-of-epoch checkpoint."
             )
         epoch = _int("epoch", state.get("epoch"), 0)
         seed = _int("seed", state.get("seed"), 0)

@@ -4,6 +4,12 @@ Resume: the DataModule's ``state_dict`` (saved by Lightning in every checkpoint)
 sampler state with the number of training batches actually processed in the epoch, read from the
 Trainer's loop progress at save time. DataLoader workers fetch indices ahead of training, so the
 sampler's own count would skip prefetched-but-untrained batches on resume.
+
+The sampler's epoch is not always Lightning's: ``last.ckpt`` saved when ``max_steps`` stops a run
+part-way through an epoch is written in ``on_train_epoch_end``, after the fit loop counted the epoch
+as processed, and a resume from it continues that epoch under the next epoch number. So the epoch
+to plan comes from the sampler state (its epoch, or the next one when the state's epoch was
+finished), and Lightning's later epochs map onto the sampler's with the offset found at the restore.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import numpy as np
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_adaptiveload.bucketing.policy import BatchSizePolicy, CostPredictor
-from lightning_adaptiveload.bucketing.sampler import AdaptiveBucketBatchSampler, OversizeSampleError
+from lightning_adaptiveload.bucketing.sampler import AdaptiveBucketBatchSampler
 from lightning_adaptiveload.calibration.sequence_parallel import SequenceParallelCostModel
 from lightning_adaptiveload.data.sequence_parallel import (
     SequenceParallelCollate,
@@ -69,6 +75,15 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             :func:`~lightning_adaptiveload.data.sequence_parallel.sequence_parallel_from_config`), or
             ``None``. When enabled every training batch carries ``batch["sp_degree"]`` (an int; 1: data
             parallel) and the k ranks of an SP group get the same batch at the same step.
+        allow_unverified_resume: resume mid-epoch from a sampler state without the ``shapes`` /
+            ``fingerprint`` fields (written by an older release). Such a state cannot show that the
+            dataset, seed and policy are those it was saved with; resumed on changed ones it silently
+            skips and repeats samples, so it is refused unless this is ``True``.
+
+    Raises:
+        ValueError: on resume, when the checkpoint's sampler state is unusable: missing while the
+            checkpoint is mid-epoch, not a dict, from another dataset, seed or policy, or at another
+            step than the Trainer's loop. The message names the checkpoint, the field and both values.
 
     Attributes:
         policy: the batch-size policy in use.
@@ -99,6 +114,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         prefetch_factor: int | None = None,
         print_plan: bool = True,
         sequence_parallel: dict[str, Any] | None = None,
+        allow_unverified_resume: bool = False,
     ) -> None:
         super().__init__()
         name = type(self).__name__
@@ -136,9 +152,15 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         self.persistent_workers = persistent_workers
         self.prefetch_factor = prefetch_factor
         self.print_plan = print_plan
+        self.allow_unverified_resume = bool(allow_unverified_resume)
         self._shapes: np.ndarray | None = None
         self._sampler: AdaptiveBucketBatchSampler | None = None
         self._pending_state: dict[str, Any] | None = None
+        self._restored = False  # load_state_dict ran: the next train loader resumes from it
+        # Lightning's epoch minus the sampler's (see the module docstring); `None` right after a restore,
+        # until Lightning names the epoch it runs the restored sampler epoch under.
+        self._epoch_offset: int | None = 0
+        self._resume_epoch = 0
         self._drawn = False
         self._printed = False
         # (token grid, batch size) the sampler planned for the first batches, checked on arrival.
@@ -207,19 +229,9 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
 
         Raises:
             OversizeSampleError: a sample is above the policy's memory budget; the message names the
-                file when the dataset can (``dataset.describe(index)``).
+                file when the dataset can (``dataset.sample_label(index)``).
         """
-        try:
-            return self._new_sampler(num_replicas, rank)
-        except OversizeSampleError as err:
-            describe = getattr(self.dataset, "describe", None)
-            if not callable(describe):
-                raise
-            try:
-                where = describe(err.index)
-            except TypeError:  # a describe() of the whole dataset (SyntheticMixedDataset's) names no sample
-                raise err from None
-            raise OversizeSampleError(err.index, f"{where}: {err}") from None
+        return self._new_sampler(num_replicas, rank)
 
     def _sampler_cost_model(self) -> CostPredictor | None:
         """The cost model, extended with the all-to-all time when SP is on and its size is configured."""
@@ -240,6 +252,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             balance=self.balance,
             cost_model=self._sampler_cost_model(),
             sequence_parallel=self.sp_config,
+            sample_label=getattr(self.dataset, "sample_label", None),
         )
 
     def bucket_table(self) -> list[dict[str, Any]]:
@@ -265,6 +278,8 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             self.sp_config.usable_degrees(int(self.trainer.world_size))  # ranks that do not tile nodes: error now
         self._printed = False
         if stage == "fit":
+            # A new fit starts on Lightning's epochs; a checkpoint restored after this sets its own.
+            self._restored, self._epoch_offset = False, 0
             self._planned.clear()
             self._checks_left = _FIRST_BATCH_CHECKS
             self._check_collate()
@@ -301,9 +316,11 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         sampler = self.sampler
         trainer = self.trainer
         if trainer is not None:
-            sampler.set_epoch(trainer.fit_loop.epoch_progress.current.processed)
-        if self._pending_state is not None and self._pending_state.get("epoch") == sampler.epoch:
-            self._load_sampler_state(sampler, self._pending_state)
+            if self._restored:
+                self._restored = False
+                self._resume(sampler, trainer)
+            elif self._epoch_offset is not None:
+                sampler.set_epoch(trainer.fit_loop.epoch_progress.current.processed - self._epoch_offset)
         if self.print_plan and not self._printed:
             print_bucket_plan(sampler)
             self._printed = True
@@ -334,25 +351,97 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             return {"sampler": self._pending_state} if self._pending_state is not None else {}
         return {"sampler": self._sampler.state_dict(steps_taken=self._steps_taken())}
 
+    def _where(self) -> str:
+        ckpt = getattr(self.trainer, "ckpt_path", None) if self.trainer is not None else None
+        return f"checkpoint {ckpt}" if ckpt else "the restored checkpoint"
+
+    def _field(self) -> str:
+        return f'["{type(self).__qualname__}"]["sampler"]'
+
+    def _resume(self, sampler: AdaptiveBucketBatchSampler, trainer: pl.Trainer) -> None:
+        """Put the sampler where the restored fit loop continues: mid-epoch at the step it trained to,
+        or at the start of the next epoch. Anything else is an error, never a silent restart of the plan."""
+        state, self._pending_state = self._pending_state, None
+        batches = trainer.fit_loop.epoch_loop.batch_progress
+        trained = int(batches.current.processed)
+        mid_epoch = trained > 0 and not batches.is_last_batch
+        where = self._where()
+        if state is None:
+            if mid_epoch:
+                raise ValueError(
+                    f"Cannot resume the data order from {where}: it was saved mid-epoch ({trained} batches into the "
+                    f"epoch) but has no sampler state ({self._field()}), so the batches already trained cannot be "
+                    "told apart from the rest. Resume from a checkpoint written with this DataModule, or from an "
+                    "end-of-epoch checkpoint."
+                )
+            # No state at an epoch boundary (e.g. written without this DataModule): Lightning's epoch.
+            self._epoch_offset = 0
+            sampler.set_epoch(trainer.fit_loop.epoch_progress.current.processed)
+            return
+        epoch = state.get("epoch")
+        segments = state.get("segments")
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"Cannot resume the data order from {where}: the sampler state has epoch={epoch!r}; "
+                             "expected an integer >= 0.")
+        try:
+            taken = sum(int(k) for _, k in segments)
+        except (TypeError, ValueError):
+            raise ValueError(f"Cannot resume the data order from {where}: the sampler state has segments={segments!r}; "
+                             "expected a non-empty list of [ranks, steps].") from None
+        if taken != trained:
+            raise ValueError(
+                f"Cannot resume the data order from {where}: the sampler state has {taken} steps taken in epoch {epoch} "
+                f"but the checkpoint's loop trained {trained} batches of its epoch; the state does not belong to this "
+                "checkpoint."
+            )
+        if mid_epoch:
+            self._load_sampler_state(sampler, state)
+            if len(sampler) > sampler.steps_taken:
+                self._resume_epoch = epoch
+            else:  # the restored plan is exhausted: the next epoch starts
+                sampler.set_epoch(epoch + 1)
+                self._resume_epoch = epoch + 1
+        else:
+            # At an epoch boundary nothing already seen needs reconstructing: the next epoch is planned
+            # from the data and settings of this run (which may differ from the checkpoint's).
+            self._resume_epoch = epoch + 1 if trained else epoch
+            sampler.set_epoch(self._resume_epoch)
+        self._epoch_offset = None  # found when Lightning names the epoch it runs this one under
+
+    def _set_trainer_epoch(self, epoch: int) -> None:
+        """Lightning's ``set_epoch`` (every epoch, on the loader): its epoch mapped onto the sampler's."""
+        if self._epoch_offset is None:
+            self._epoch_offset = int(epoch) - self._resume_epoch
+        self.sampler.set_epoch(int(epoch) - self._epoch_offset)
+
     def _load_sampler_state(self, sampler: AdaptiveBucketBatchSampler, state: dict[str, Any]) -> None:
         try:
-            sampler.load_state_dict(state)
+            sampler.load_state_dict(state, allow_unverified=self.allow_unverified_resume)
         except ValueError as err:
-            ckpt = getattr(self.trainer, "ckpt_path", None) if self.trainer is not None else None
-            where = f"checkpoint {ckpt}" if ckpt else "the restored checkpoint"
-            raise ValueError(f"Cannot resume the data order from {where}: {err}") from err
+            message = str(err).replace("`allow_unverified_resume=True`",
+                                       f"`{type(self).__name__}(allow_unverified_resume=True)`")
+            raise ValueError(f"Cannot resume the data order from {self._where()}: {message}") from err
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not isinstance(state_dict, dict):
+            raise ValueError(
+                f"Cannot resume the data order from {self._where()}: its DataModule state "
+                f'["{type(self).__qualname__}"] is a {type(state_dict).__name__}, not a dict. The file is not a '
+                "checkpoint of this DataModule; resume from another checkpoint."
+            )
         state = state_dict.get("sampler")
+        if state is not None and not isinstance(state, dict):
+            raise ValueError(
+                f"Cannot resume the data order from {self._where()}: its sampler state {self._field()} is a "
+                f"{type(state).__name__}, not a dict. The checkpoint is damaged or not from this DataModule; "
+                "resume from another checkpoint."
+            )
         self._pending_state = state
-        if state is None or self._sampler is None:
-            return
-        # The loader already exists: the Trainer built it before restoring (a strategy that restores
+        self._restored = True
+        # The loader may already exist: the Trainer built it before restoring (a strategy that restores
         # after setup, with `estimated_stepping_batches` read in `configure_optimizers`; cf. Lightning
-        # #20550) and may have prefetched from the unrestored plan. Load the state and make the fit loop
-        # build the loader again so the iterator and its length follow the restored plan.
-        if state.get("epoch") == self._sampler.epoch:
-            self._load_sampler_state(self._sampler, state)
+        # #20550) and may have prefetched from the unrestored plan. Make the fit loop build the loader
+        # again so the iterator and its length follow the restored plan.
         trainer = self.trainer
         if trainer is not None and getattr(trainer.fit_loop, "_combined_loader", None) is not None:
             trainer.fit_loop._combined_loader = None
@@ -377,12 +466,12 @@ class _TrackedBatchSampler:
     """Wraps the sampler for the DataLoader: marks the DataModule as iterated (policy now frozen).
 
     ``sampler`` is exposed so Lightning's ``_set_sampler_epoch`` (which looks at
-    ``loader.batch_sampler.sampler``) sets the epoch every epoch.
+    ``loader.batch_sampler.sampler``) sets the epoch every epoch, through the DataModule's epoch map.
     """
 
     def __init__(self, sampler: AdaptiveBucketBatchSampler, datamodule: AdaptiveLoadDataModule) -> None:
         self.batch_sampler = sampler
-        self.sampler = sampler.sampler
+        self.sampler = _EpochMap(datamodule)
         self._datamodule = datamodule
 
     def __len__(self) -> int:
@@ -397,3 +486,13 @@ class _TrackedBatchSampler:
                 dm._checks_left -= 1
                 dm._planned.append((tuple(int(v) for v in shapes[batch[0]]), len(batch)))
             yield batch
+
+
+class _EpochMap:
+    """Lightning's ``set_epoch`` target: forwards its epoch to the DataModule, which maps it onto the sampler's."""
+
+    def __init__(self, datamodule: AdaptiveLoadDataModule) -> None:
+        self._datamodule = datamodule
+
+    def set_epoch(self, epoch: int) -> None:
+        self._datamodule._set_trainer_epoch(epoch)

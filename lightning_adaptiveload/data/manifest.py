@@ -676,7 +676,7 @@ class ManifestDataset(Dataset):
     def _where(self, index: int) -> str:
         return f"manifest row {int(self._rows[index]) + 1} ({self._paths[index].as_py()})"
 
-    def describe(self, index: int) -> str:
+    def sample_label(self, index: int) -> str:
         """Where sample ``index`` comes from, for error messages: ``manifest row 17 (clip_0042.mp4)``."""
         return self._where(index)
 

@@ -485,7 +485,7 @@ class ShardedLatentDataset(Dataset):
         row = index if self._rows is None else int(self._rows[index])
         return self._keys[row].as_py()
 
-    def describe(self, index: int) -> str:
+    def sample_label(self, index: int) -> str:
         """Where sample ``index`` comes from, for error messages: its key and the index file."""
         return f"sample {self.key(index)!r} of {self.path}"
 

@@ -188,7 +188,8 @@ def test_load_state_rejects_changed_shapes_with_the_same_size():
     state = AdaptiveBucketBatchSampler(shapes, POLICY).state_dict(steps_taken=3)
     changed = shapes.copy()
     changed[:10] = (1, 8, 8)
-    with pytest.raises(ValueError, match="`shapes` fingerprint differs"):
+    now = AdaptiveBucketBatchSampler(changed, POLICY).shapes_fingerprint()
+    with pytest.raises(ValueError, match=rf"has shapes='{state['shapes']}' but the dataset has shapes='{now}'"):
         AdaptiveBucketBatchSampler(changed, POLICY).load_state_dict(state)
     # The same shapes load.
     AdaptiveBucketBatchSampler(shapes, POLICY).load_state_dict(state)
@@ -217,14 +218,19 @@ def test_load_state_checks_every_field(field, value, match):
         s.load_state_dict(state)
 
 
-def test_version_1_states_still_load():
+@pytest.mark.parametrize("missing", [("shapes", "settings"), ("fingerprint",)])
+def test_unverifiable_states_load_only_when_allowed(missing):
     shapes = _shapes(0, 50)
     state = AdaptiveBucketBatchSampler(shapes, POLICY).state_dict(steps_taken=2)
-    state = {k: v for k, v in state.items() if k not in ("shapes", "settings")}
+    state = {k: v for k, v in state.items() if k not in missing}
     state["version"] = 1
     s = AdaptiveBucketBatchSampler(shapes, POLICY)
-    s.load_state_dict(state)
-    assert len(list(s)) == len(s) - 2
+    with pytest.raises(ValueError, match=rf"has no `{missing[0]}` \(written by an older release\).*"
+                                         "allow_unverified_resume=True"):
+        s.load_state_dict(state)
+    assert s.steps_taken == 0  # nothing changed
+    s.load_state_dict(state, allow_unverified=True)
+    assert s.steps_taken == 2 and len(list(s)) == len(s) - 2
 
 
 def test_an_epoch_is_planned_once():
@@ -249,7 +255,7 @@ def test_cost_balance_beats_none_on_predicted_cv():
 
 def test_oversize_error_names_sample_and_skip_counts():
     shapes = np.array([(1, 2, 2), (9, 9, 9), (1, 2, 2)])
-    with pytest.raises(ValueError, match=r"Sample 1 has token grid \(9, 9, 9\).*oversize='skip'"):
+    with pytest.raises(ValueError, match=r"^sample 1: S=729 tokens \(token grid \(9, 9, 9\)\).*oversize='skip'"):
         AdaptiveBucketBatchSampler(shapes, DualConstraintPolicy(64, 1e4, 2))
     s = AdaptiveBucketBatchSampler(shapes, DualConstraintPolicy(64, 1e4, 2, oversize="skip"))
     assert sorted(i for b in s for i in b) == [0, 2]
@@ -422,3 +428,25 @@ def test_partial_sorts_equal_full_sorts(monkeypatch):
     many = np.repeat(rng.random(35_000), 2)  # more distinct costs than 16-bit ranks hold: the float sort
     ids = rng.permutation(70_000).astype(np.int32)
     assert np.array_equal(sampler_module._by_descending_cost(ids, many), ids[np.argsort(-many[ids], kind="stable")])
+
+
+def test_oversize_error_names_the_first_long_sample_by_its_label():
+    from lightning_adaptiveload.bucketing.sampler import OversizeSampleError, oversize_error
+
+    shapes = np.array([(1, 2, 2), (4, 4, 4), (9, 9, 9), (4, 4, 4)])
+    with pytest.raises(OversizeSampleError) as info:
+        AdaptiveBucketBatchSampler(shapes, DualConstraintPolicy(32, 1e4, 2),
+                                   sample_label=lambda i: f"manifest row {i + 2} (clip_{i}.mp4)")
+    assert info.value.index == 1  # the first in dataset order, not the first bucket
+    message = str(info.value)
+    assert message.startswith("manifest row 3 (clip_1.mp4): S=64 tokens (token grid (4, 4, 4)) is above the memory "
+                              "budget of 32 tokens of DualConstraintPolicy(")
+    assert "(3 samples in all are that long)" in message and "\n" not in message
+    # The function others call: nothing to say when all fit, when skipping, or without a limit.
+    seq = np.array([4, 64, 729])
+    assert oversize_error(seq, 729, "error") is None
+    assert oversize_error(seq, 32, "skip") is None and oversize_error(seq, None, "error") is None
+    err = oversize_error(seq, 32, "error", lambda i: f"row {i}")
+    assert err.index == 1 and str(err).startswith("row 1: S=64 tokens is above the memory budget of 32 tokens;")
+    # A label that fails still gives the error, with the index.
+    assert str(oversize_error(seq, 32, "error", lambda i: 1 / 0)).startswith("sample 1: S=64")

@@ -189,7 +189,7 @@ def test_placeholder_policy_is_not_checked_before_the_sampler_is_built(tmp_path)
     trainer.fit(RecordingModule(), datamodule=dm)
     assert trainer.global_step == len(dm.sampler)
     bad = AdaptiveLoadDataModule(GridDataset(20), DualConstraintPolicy(m_mem=2, m_comp=4, p=2), seed=4)
-    with pytest.raises(ValueError, match="above the memory budget 2"):
+    with pytest.raises(ValueError, match="above the memory budget of 2 tokens"):
         _trainer(tmp_path, enable_checkpointing=False).fit(RecordingModule(), datamodule=bad)
 
 
@@ -238,13 +238,13 @@ def test_first_batches_are_checked_against_the_plan(tmp_path):
 def test_oversize_error_names_the_file(tmp_path):
     from lightning_adaptiveload.bucketing.sampler import OversizeSampleError
 
-    class Described(GridDataset):
-        def describe(self, i):
+    class Labelled(GridDataset):
+        def sample_label(self, i):
             return f"manifest row {i + 1} (clip_{i:04d}.mp4)"
 
-    dm = AdaptiveLoadDataModule(Described(20), DualConstraintPolicy(m_mem=4, m_comp=16, p=2))
+    dm = AdaptiveLoadDataModule(Labelled(20), DualConstraintPolicy(m_mem=4, m_comp=16, p=2))
     with pytest.raises(OversizeSampleError) as info:
         dm.make_sampler()
     i = info.value.index
-    assert dm.shapes[i].prod() > 4
-    assert str(info.value).startswith(f"manifest row {i + 1} (clip_{i:04d}.mp4): Sample {i} has token grid")
+    assert dm.shapes[i].prod() > 4 and (dm.shapes[:i].prod(axis=1) <= 4).all()
+    assert str(info.value).startswith(f"manifest row {i + 1} (clip_{i:04d}.mp4): S={dm.shapes[i].prod()} tokens")
