@@ -7,6 +7,7 @@ from lightning_adaptiveload.bucketing.policy import (
     DualConstraintPolicy,
     EqualTokenPolicy,
     FixedBatchPolicy,
+    TieredPolicy,
 )
 from lightning_adaptiveload.bucketing.sampler import AdaptiveBucketBatchSampler, EpochPlan
 from lightning_adaptiveload.bucketing.sequence_parallel import SequenceParallelConfig, check_sp_degree
@@ -20,6 +21,7 @@ __all__ = [
     "EqualTokenPolicy",
     "FixedBatchPolicy",
     "SequenceParallelConfig",
+    "TieredPolicy",
     "bubble_fraction",
     "check_sp_degree",
     "compute_imbalance_rate",

@@ -308,3 +308,77 @@ class CostModelPolicy(BatchSizePolicy):
     def __repr__(self) -> str:
         return (f"CostModelPolicy(cost_model={type(self.cost_model).__name__}, m_mem={self.m_mem}, "
                 f"step_budget={self.step_budget}, oversize={self.oversize!r})")
+
+
+class TieredPolicy(BatchSizePolicy):
+    """One policy per range of S, each with its own activation-checkpointing mode.
+
+    Per-bucket checkpointing: short buckets train with the least recomputation (``"none"``), and only
+    the sequence lengths that do not fit that way use a mode that recomputes (``"selective"``,
+    ``"full"``). Each mode has its own memory budget and step cost, so each range of S gets its own
+    policy; the ranges are ``(previous max_seq_len, max_seq_len]`` in order.
+
+    Args:
+        tiers: ``(mode, max_seq_len, policy)`` triples with strictly increasing ``max_seq_len``; the
+            last tier's limit is the longest S that can be trained at all (longer samples are oversize).
+        cost_model: ``predict(B, S)`` of the whole range (each S priced in its own mode), which the
+            sampler balances on; ``None``: the sampler's default.
+        oversize: ``"error"`` or ``"skip"`` for a sample above the last tier.
+
+    Example::
+
+        >>> TieredPolicy([("none", 46800, EqualTokenPolicy(60000)),
+        ...               ("selective", 80000, EqualTokenPolicy(160000))]).batch_size(75600)
+        2
+    """
+
+    def __init__(self, tiers: Any, cost_model: CostPredictor | None = None, oversize: str = "error") -> None:
+        _check_oversize("TieredPolicy", oversize)
+        checked: list[tuple[str, int, BatchSizePolicy]] = []
+        for i, tier in enumerate(tiers or ()):
+            if not (isinstance(tier, (tuple, list)) and len(tier) == 3 and isinstance(tier[0], str)
+                    and isinstance(tier[2], BatchSizePolicy)):
+                raise ValueError(f"`TieredPolicy(tiers[{i}]={tier!r})` is not valid. Expected a (mode, max_seq_len, "
+                                 "BatchSizePolicy) triple.")
+            _check_positive("TieredPolicy", f"tiers[{i}] max_seq_len", tier[1], integer=True)
+            if checked and int(tier[1]) <= checked[-1][1]:
+                raise ValueError(f"`TieredPolicy(tiers=...)`: max_seq_len must increase from tier to tier; tier {i} "
+                                 f"({tier[0]!r}) has {tier[1]} after {checked[-1][1]}.")
+            checked.append((tier[0], int(tier[1]), tier[2]))
+        if not checked:
+            raise ValueError("`TieredPolicy(tiers=[])` is not valid. Expected at least one tier.")
+        if cost_model is not None and not callable(getattr(cost_model, "predict", None)):
+            raise ValueError(f"`TieredPolicy(cost_model={cost_model!r})` is not valid. Expected `predict(B, S)`.")
+        self.tiers = checked
+        self.cost_model = cost_model
+        self.oversize = oversize
+        self.max_seq_len = checked[-1][1]
+        self.cost_exponent = max(float(getattr(p, "cost_exponent", 2.0)) for _, _, p in checked)
+
+    def tier_index(self, seq_lens: Any) -> np.ndarray:
+        """Index of the tier of each S (``len(tiers)`` above the last tier)."""
+        limits = np.array([t[1] for t in self.tiers], dtype=np.int64)
+        return np.searchsorted(limits, _as_seq_lens(seq_lens), side="left")
+
+    def mode_for(self, seq_len: int) -> str | None:
+        """The activation-checkpointing mode S trains with (``None``: above every tier)."""
+        i = int(self.tier_index(np.array([seq_len]))[0])
+        return self.tiers[i][0] if i < len(self.tiers) else None
+
+    def _batch_sizes(self, seq_lens: np.ndarray) -> np.ndarray:
+        idx = self.tier_index(seq_lens)
+        out = np.ones_like(seq_lens)
+        for i, (_, _, policy) in enumerate(self.tiers):
+            mask = idx == i
+            if mask.any():
+                # Each tier's limit lies within its own policy's budget, so its oversize rule never fires.
+                out[mask] = policy._batch_sizes(seq_lens[mask])
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": "tiered", "oversize": self.oversize,
+                "tiers": [{"mode": m, "max_seq_len": s, "policy": p.to_dict()} for m, s, p in self.tiers]}
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{m} S<={s:,}: {p!r}" for m, s, p in self.tiers)
+        return f"TieredPolicy({inner}, oversize={self.oversize!r})"

@@ -1,14 +1,23 @@
 """Calibration, independent of Lightning: profile the real step, fit the cost and memory models,
 derive the batch-size policy, record and cache the result, and simulate a cluster with it.
 
-``profile`` → ``derive.fit_models`` → ``derive.memory_budget`` / ``derive.derive_policy`` →
-``record.Calibration``; :class:`~lightning_adaptiveload.callbacks.shape_benchmark.ShapeBenchmarkCallback`
-adapts Lightning's hooks to this pipeline, and the simulator and the benchmarks call it too.
+:func:`calibrate` conducts it: source (pinned file → checkpoint → cache → ``profile``), key,
+``derive.fit_models``, per-mode tiers (``derive.fit_tiers``), memory budgets, ``derive.derive_policy``;
+:class:`~lightning_adaptiveload.callbacks.shape_benchmark.ShapeBenchmarkCallback` adapts Lightning's
+hooks to it, and the simulator and the benchmarks call it too.
 """
 
+from lightning_adaptiveload.calibration.calibrate import (
+    CalibrationResult,
+    ProfileSettings,
+    Trainee,
+    calibrate,
+)
 from lightning_adaptiveload.calibration.costmodel import FORMS, CostModel, MemoryModel
 from lightning_adaptiveload.calibration.derive import (
     Derivation,
+    ModeTier,
+    TieredCostModel,
     derive_policy,
     fit_models,
     memory_budget,
@@ -35,16 +44,22 @@ __all__ = [
     "FORMS",
     "Calibration",
     "CalibrationError",
+    "CalibrationResult",
     "Collectives",
     "CostModel",
     "Derivation",
     "LocalCollectives",
     "Measurement",
     "MemoryModel",
+    "ModeTier",
+    "ProfileSettings",
     "SequenceParallelCostModel",
     "Shape",
     "SimulationResult",
+    "TieredCostModel",
+    "Trainee",
     "UlyssesCommModel",
+    "calibrate",
     "compare_policies",
     "derive_policy",
     "fit_models",

@@ -326,6 +326,16 @@ class CostModel:
         out = _predict(self.form, np.array(list(self.params.values())), b, s)
         return float(out) if out.ndim == 0 else out
 
+    def scaled(self, factor: float) -> CostModel:
+        """This model with every step time multiplied by ``factor`` (e.g. the recomputation of an
+        activation-checkpointing mode): the floor and the work coefficients scale, ``p`` and ``k`` stay
+        (every form is homogeneous of degree 1 in them)."""
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"`CostModel.scaled(factor={factor!r})` is not valid. Expected a positive finite number.")
+        fixed = {"p", "k"}
+        params = {k: v if k in fixed else v * float(factor) for k, v in self.params.items()}
+        return CostModel(self.form, params, dict(self.quality))
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (see :meth:`to_json`)."""
         return {

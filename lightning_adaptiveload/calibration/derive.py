@@ -25,11 +25,14 @@ Three numbers decide it:
   small ones.
 - the form of the cost model (above).
 
-Activation checkpointing, when the model leaves it to the calibration (``"auto"``), is chosen first
-(:func:`choose_checkpointing`): the mode with the least recomputation (``none`` → ``selective`` →
-``full``) under which one sample of the corpus's longest sequence trains within the device's memory
-less the margin and the optimizer state still to come. The profile, the fits and ``M_mem`` above are
-then those of that mode, so short buckets get the largest batches its memory allows.
+Activation checkpointing, when the model leaves it to the calibration (``"auto"``), is chosen per
+bucket: the profile runs least recomputation first (``none`` → ``selective`` → ``full``), and each mode
+takes the sequence lengths above the previous mode's up to the longest it trained at B = 1 within the
+device's memory less the margin and the optimizer state still to come (:func:`fit_tiers`). Each tier
+gets its own ``M_mem`` (its memory model) and prices its steps with the cost model times its measured
+recomputation scale; one step budget ``τ`` serves all tiers, and the policy is a
+:class:`~lightning_adaptiveload.bucketing.policy.TieredPolicy`. So images and short clips train
+without recomputation at the largest batches that fit, and only the clips that need it recompute.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from lightning_adaptiveload.bucketing.policy import (
     CostModelPolicy,
     DualConstraintPolicy,
     EqualTokenPolicy,
+    TieredPolicy,
 )
 from lightning_adaptiveload.bucketing.sampler import count_buckets
 from lightning_adaptiveload.calibration.costmodel import CostModel, MemoryModel
@@ -121,67 +125,146 @@ def memory_budget(
 
 
 @dataclass(frozen=True)
-class CheckpointingChoice:
-    """The activation-checkpointing mode chosen for a run and the probes it was chosen from.
+class ModeTier:
+    """Buckets of up to ``max_seq_len`` tokens (above the previous tier's) train in activation-checkpointing
+    ``mode``; a step there takes ``scale`` times the calibration's cost model (its recomputation) and
+    peaks at ``memory_model``.
 
-    ``probes`` holds ``(mode, measurement)`` pairs in the order they ran; ``fits`` says whether the
-    chosen mode passed (``False``: no mode fits, the last one tried is returned).
+    ``max_seq_len`` is the longest sequence measured to train at B = 1 in that mode within the memory
+    limit, so every S of the tier is at or below a measurement, never an extrapolation.
     """
 
     mode: str
-    probes: tuple[tuple[str, Any], ...]
-    fits: bool
-    reason: str
+    max_seq_len: int
+    scale: float = 1.0
+    memory_model: MemoryModel | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode, "fits": self.fits, "reason": self.reason,
-                "probes": [{"mode": m, **p.to_dict()} for m, p in self.probes]}
+        return {"mode": self.mode, "max_seq_len": int(self.max_seq_len), "scale": float(self.scale),
+                "memory_model": None if self.memory_model is None else self.memory_model.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ModeTier:
+        """Inverse of :meth:`to_dict`; raises ``ValueError`` naming the bad field."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a checkpointing tier is {type(data).__name__}, not an object")
+        try:
+            mode, limit, scale = data["mode"], int(data["max_seq_len"]), float(data.get("scale", 1.0))
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"a checkpointing tier lacks a valid mode or max_seq_len ({err!r})") from err
+        if not isinstance(mode, str) or limit < 1 or not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"checkpointing tier {data!r} is not consistent (mode, max_seq_len, scale)")
+        mm = data.get("memory_model")
+        return cls(mode, limit, scale, None if mm is None else MemoryModel.from_dict(mm))
 
 
-def probe_fits(measurement: Any, device_memory: int | None, margin: float, pending_bytes: int = 0) -> bool:
-    """Whether a probe step ran and its peak (plus optimizer state still to come) leaves the margin free.
-
-    Without a measured peak or device size (CPU), running without an out-of-memory error is enough.
-    """
-    if measurement.status != "ok":
-        return False
-    if measurement.peak_bytes is None or not device_memory:
-        return True
-    return measurement.peak_bytes + pending_bytes <= device_memory * (1.0 - margin)
-
-
-def choose_checkpointing(
-    modes: Sequence[str],
-    probe: Any,
-    device_memory: int | None,
-    *,
-    margin: float = 0.1,
-    pending_bytes: int = 0,
-) -> CheckpointingChoice:
-    """The first of ``modes`` (least recomputation first) whose probe fits (:func:`probe_fits`).
-
-    ``probe(mode)`` runs one training step of one sample of the longest sequence under ``mode`` and
-    returns its :class:`~lightning_adaptiveload.calibration.profile.Measurement`. Modes after the
-    first that fits are not probed. When none fits, the last mode is returned with ``fits=False``
-    (the caller raises, or skips the samples that do not fit).
+def tiers_from_record(extra: dict[str, Any]) -> list[ModeTier] | None:
+    """The tiers a calibration record's ``extra["checkpointing"]`` holds (``None``: the model's own
+    mode was profiled).
 
     Raises:
-        ValueError: ``modes`` is empty.
+        ValueError: the field is malformed.
     """
-    modes = list(modes)
-    if not modes:
-        raise ValueError("`modes` is empty. Expected the modes the model supports, least recomputation first.")
-    probes: list[tuple[str, Any]] = []
-    for mode in modes:
-        m = probe(mode)
-        probes.append((mode, m))
-        if probe_fits(m, device_memory, margin, pending_bytes):
-            peak = "" if m.peak_bytes is None else f", peak {m.peak_bytes / 2**30:.1f} GiB"
-            total = "" if not device_memory else f" of {device_memory / 2**30:.1f} GiB"
-            return CheckpointingChoice(mode, tuple(probes), True,
-                                       f"least recomputation that fits S={m.seq_len:,} at B=1{peak}{total}")
-    return CheckpointingChoice(modes[-1], tuple(probes), False,
-                               f"no mode fits S={probes[-1][1].seq_len:,} at B=1")
+    data = (extra or {}).get("checkpointing")
+    if data is None:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("tiers"), list) or not data["tiers"]:
+        raise ValueError(f"`checkpointing` is {str(data)[:200]!r}; expected an object with a non-empty `tiers` list")
+    tiers = [ModeTier.from_dict(t) for t in data["tiers"]]
+    if any(b.max_seq_len <= a.max_seq_len for a, b in zip(tiers, tiers[1:], strict=False)):
+        raise ValueError("`checkpointing.tiers` must have increasing max_seq_len")
+    return tiers
+
+
+class TieredCostModel:
+    """``predict(B, S)`` of a corpus trained in several activation-checkpointing modes: the base cost
+    model times the scale of the tier S falls in (the last tier's above every limit)."""
+
+    def __init__(self, base: CostModel, tiers: Sequence[ModeTier]) -> None:
+        self.base = base
+        self.tiers = list(tiers)
+        self._limits = np.array([t.max_seq_len for t in self.tiers], dtype=np.float64)
+        self._scales = np.array([t.scale for t in self.tiers], dtype=np.float64)
+
+    def predict(self, batch_size: Any, seq_len: Any) -> np.ndarray | float:
+        s = np.asarray(seq_len, dtype=np.float64)
+        idx = np.minimum(np.searchsorted(self._limits, s, side="left"), len(self._limits) - 1)
+        out = np.asarray(self.base.predict(batch_size, s)) * self._scales[idx]
+        return float(out) if np.ndim(out) == 0 else out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"base": self.base.to_dict(), "tiers": [t.to_dict() for t in self.tiers]}
+
+    def to_json(self) -> str:
+        import json
+
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    def __str__(self) -> str:
+        scales = ", ".join(f"{t.mode} x{t.scale:.3f}" for t in self.tiers)
+        return f"{self.base} [{scales}]"
+
+
+def fits_at_one(measurement: Any, memory_limit: float | None) -> bool:
+    """Whether a measurement is one sample that trained and peaked within ``memory_limit`` bytes
+    (without a measured peak or limit, e.g. on CPU, training without an out-of-memory error is enough)."""
+    if measurement.status != "ok" or measurement.batch_size != 1:
+        return False
+    return measurement.peak_bytes is None or memory_limit is None or measurement.peak_bytes <= memory_limit
+
+
+def fit_tiers(by_mode: Sequence[tuple[str, Sequence[Any]]], cost_model: CostModel, base_memory: MemoryModel | None,
+              memory_limit: float | None) -> list[ModeTier]:
+    """The tiers of a per-mode profile: ``by_mode`` holds ``(mode, measurements)`` least recomputation
+    first. A mode takes the sequence lengths above the previous mode's, up to the longest it trained at
+    B = 1 within ``memory_limit`` (:func:`fits_at_one`); a mode that adds none gets no tier. Its scale is
+    the median ratio of its measured step times to ``cost_model``'s; its memory model is fitted to its
+    peaks, or, with one token count only, the line through the base model's fixed bytes and its peak.
+    """
+    tiers: list[ModeTier] = []
+    for mode, meas in by_mode:
+        limit = max([m.seq_len for m in meas if fits_at_one(m, memory_limit)], default=0)
+        if limit <= (tiers[-1].max_seq_len if tiers else 0):
+            continue
+        ok = [m for m in meas if m.status == "ok"]
+        scale = float(np.median([m.time_s / float(cost_model.predict(m.batch_size, m.seq_len)) for m in ok]))
+        if not tiers:
+            scale = 1.0 if abs(scale - 1.0) < 0.02 else scale  # the base mode: the fit itself (noise aside)
+        tiers.append(ModeTier(mode, int(limit), scale, _tier_memory(ok, base_memory)))
+    return tiers
+
+
+def _tier_memory(ok: Sequence[Any], base: MemoryModel | None) -> MemoryModel | None:
+    peaks = [m for m in ok if m.peak_bytes is not None]
+    if not peaks:
+        return None
+    try:
+        return MemoryModel.fit([m.batch_size for m in peaks], [m.seq_len for m in peaks], [m.peak_bytes for m in peaks])
+    except ValueError:
+        pass
+    if base is None:
+        return None
+    # One token count: the weights, gradients and workspace (m0) are the base mode's; the rest is per token.
+    top = max(peaks, key=lambda m: m.batch_size * m.seq_len)
+    per_token = (top.peak_bytes - base.m0) / (top.batch_size * top.seq_len)
+    return MemoryModel(base.m0, per_token) if per_token > 0 else None
+
+
+def tier_memory_budgets(tiers: Sequence[ModeTier], measurements: Sequence[Any], device_memory: int | None, *,
+                        margin: float, pending_bytes: int, seq_lens: Any) -> list[tuple[int, str]]:
+    """``(M_mem, how)`` of every tier (:func:`memory_budget` on its own measurements and memory model,
+    with the corpus's sequence lengths of that tier), never below the tier's measured ``max_seq_len``."""
+    seq = np.unique(np.asarray(seq_lens, dtype=np.int64))
+    out, lower = [], 0
+    for t in tiers:
+        own = [m for m in measurements if m.mode == t.mode] or list(measurements)
+        in_tier = seq[(seq > lower) & (seq <= t.max_seq_len)]
+        m_mem, how = memory_budget(own, t.memory_model, device_memory, margin=margin, pending_bytes=pending_bytes,
+                                   longest_seq_len=t.max_seq_len,
+                                   shortest_seq_len=int(in_tier.min()) if in_tier.size else t.max_seq_len)
+        out.append((max(int(m_mem), t.max_seq_len), how))
+        lower = t.max_seq_len
+    return out
 
 
 @dataclass(frozen=True)
@@ -201,22 +284,37 @@ class Derivation:
     predicted: dict[str, float]
     baseline: dict[str, float]
     candidates: list[tuple[float, float]] = field(default_factory=list)
+    #: Per-bucket checkpointing: ``{mode, max_seq_len, scale, m_mem}`` per tier (empty: one mode).
+    tiers: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def cost_model(self) -> Any:
+        """What the sampler balances on: the tiered cost model, or ``None`` (the calibration's own)."""
+        return getattr(self.policy, "cost_model", None) if self.tiers else None
+
+    def mode_for(self, seq_len: int) -> str | None:
+        """The activation-checkpointing mode of a bucket (``None``: one mode, or S above every tier)."""
+        for t in self.tiers:
+            if seq_len <= t["max_seq_len"]:
+                return t["mode"]
+        return None
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "policy": self.policy.to_dict(), "m_mem": self.m_mem, "step_budget_s": self.step_budget_s,
             "budget_source": self.budget_source, "world_size": self.world_size,
             "predicted": dict(self.predicted), "baseline": dict(self.baseline),
-            "candidates": [list(c) for c in self.candidates],
+            "candidates": [list(c) for c in self.candidates], "tiers": [dict(t) for t in self.tiers],
         }
 
     def summary(self) -> str:
         """One line: the policy's predicted throughput against the equal-token baseline."""
         p, b = self.predicted, self.baseline
         gain = p["tokens_per_s"] / b["tokens_per_s"] - 1 if b["tokens_per_s"] > 0 else float("nan")
+        mode = f", all in '{self.tiers[-1]['mode']}'" if len(self.tiers) > 1 else ""
         return (
             f"predicted on {self.world_size} rank(s): {p['tokens_per_s']:,.0f} tokens/s, compute CV "
-            f"{p['compute_cv']:.1%} | equal-token (max_tokens={self.m_mem}, dealt at random): "
+            f"{p['compute_cv']:.1%} | equal-token (max_tokens={self.m_mem}{mode}, dealt at random): "
             f"{b['tokens_per_s']:,.0f} tokens/s, compute CV {b['compute_cv']:.1%} | {gain:+.1%}"
         )
 
@@ -249,6 +347,7 @@ def derive_policy(
     oversize: str = "error",
     seed: int = 0,
     num_candidates: int = _DEFAULT_CANDIDATES,
+    tiers: Sequence[ModeTier] | None = None,
 ) -> Derivation:
     """Derive the policy for a corpus (see the module docstring).
 
@@ -259,13 +358,15 @@ def derive_policy(
             ``S > m_mem`` are left out of the choice; the policy's ``oversize`` decides what training
             does with them.
         counts: samples per grid of ``grids`` (``None``: ``grids`` lists every sample).
-        m_mem: tokens per batch that fit in memory.
+        m_mem: tokens per batch that fit in memory; with ``tiers``, one per tier.
         world_size: ranks the corpus is planned for.
         balance: the sampler's step grouping the run uses (``"cost"`` or ``"none"``).
         step_budget_s: a fixed budget; ``None`` picks the one with the highest predicted throughput.
         oversize: the policy's ``oversize`` (``"error"`` or ``"skip"``).
         seed: the plan seed of the simulated epochs.
         num_candidates: budgets tried between the two ends.
+        tiers: per-bucket activation checkpointing (:func:`fit_tiers`); two or more give a
+            :class:`~lightning_adaptiveload.bucketing.policy.TieredPolicy`, one prices the corpus in its mode.
 
     Raises:
         ValueError: no sample fits ``m_mem``, or a given budget is not above the fixed overhead.
@@ -274,9 +375,19 @@ def derive_policy(
         grids, counts = count_buckets(grids)
     grids = np.asarray(grids, dtype=np.int64).reshape(-1, 3)
     counts = np.asarray(counts, dtype=np.int64).reshape(-1)
-    if isinstance(m_mem, bool) or int(m_mem) != m_mem or m_mem < 1:
-        raise ValueError(f"`m_mem={m_mem!r}` is not valid. Expected a positive integer token count.")
-    m_mem = int(m_mem)
+    tiers = list(tiers or [])
+    budgets_mem = [m_mem] if np.ndim(m_mem) == 0 else list(m_mem)
+    if tiers and len(budgets_mem) != len(tiers):
+        raise ValueError(f"`m_mem={m_mem!r}` is not valid with {len(tiers)} tiers. Expected one token budget per tier.")
+    for m in budgets_mem:
+        if isinstance(m, bool) or int(m) != m or m < 1:
+            raise ValueError(f"`m_mem={m_mem!r}` is not valid. Expected a positive integer token count.")
+    budgets_mem = [int(m) for m in budgets_mem]
+    m_mem = budgets_mem[-1]
+    make_policy = _policy_maker(cost_model, tiers, budgets_mem, oversize)
+    if len(tiers) == 1:
+        cost_model = cost_model.scaled(tiers[0].scale) if tiers[0].scale != 1.0 else cost_model
+    price = TieredCostModel(cost_model, tiers) if len(tiers) > 1 else cost_model
     seq = grids.prod(axis=1)
     fits = seq <= m_mem
     if not fits.any():
@@ -286,27 +397,60 @@ def derive_policy(
         )
     corpus = _simulation_corpus(grids[fits], counts[fits], _MAX_SIMULATED_SAMPLES)
     uniq = np.unique(corpus.prod(axis=1))
-    baseline = _predict(corpus, EqualTokenPolicy(m_mem), world_size, cost_model, "none", seed)
+    # The baseline is one mode for the whole run: with tiers, the last (most recomputation) one.
+    one_mode = cost_model.scaled(tiers[-1].scale) if len(tiers) > 1 else cost_model
+    baseline = _predict(corpus, EqualTokenPolicy(m_mem), world_size, one_mode, "none", seed)
     candidates: list[tuple[float, float]] = []
     if step_budget_s is not None:
         budget, source = float(step_budget_s), "given"
-        policy = policy_for_budget(cost_model, m_mem, budget, oversize)
-        predicted = _predict(corpus, policy, world_size, cost_model, balance, seed)
+        policy = make_policy(budget)
+        predicted = _predict(corpus, policy, world_size, price, balance, seed)
     else:
-        lo = float(cost_model.predict(1, int(uniq.max())))
-        hi = float(np.max(cost_model.predict(np.maximum(1, m_mem // uniq), uniq)))
+        lo = float(price.predict(1, int(uniq.max())))
+        caps = np.maximum(1, make_policy(float("inf")).batch_sizes(uniq)) if tiers else np.maximum(1, m_mem // uniq)
+        hi = float(np.max(price.predict(caps, uniq)))
         budgets = [lo] if hi <= lo * (1 + 1e-9) else np.geomspace(lo, hi, max(2, int(num_candidates))).tolist()
         results = []
         for b in budgets:
-            pol = policy_for_budget(cost_model, m_mem, b, oversize)
-            pred = _predict(corpus, pol, world_size, cost_model, balance, seed)
+            pol = make_policy(b)
+            pred = _predict(corpus, pol, world_size, price, balance, seed)
             results.append((b, pol, pred))
             candidates.append((float(b), pred["tokens_per_s"]))
         best = max(r[2]["tokens_per_s"] for r in results)
         budget, policy, predicted = next(r for r in results if r[2]["tokens_per_s"] >= (1 - THROUGHPUT_TOLERANCE) * best)
         source = "max predicted throughput"
     return Derivation(policy=policy, m_mem=m_mem, step_budget_s=float(budget), budget_source=source,
-                      world_size=int(world_size), predicted=predicted, baseline=baseline, candidates=candidates)
+                      world_size=int(world_size), predicted=predicted, baseline=baseline, candidates=candidates,
+                      tiers=[{"mode": t.mode, "max_seq_len": t.max_seq_len, "scale": t.scale, "m_mem": m}
+                             for t, m in zip(tiers, budgets_mem, strict=False)])
+
+
+def _policy_maker(cost_model: CostModel, tiers: Sequence[ModeTier], m_mem: Sequence[int], oversize: str) -> Any:
+    """``budget -> policy``: the one rule (:func:`policy_for_budget`) per tier. With two or more tiers, a
+    :class:`TieredPolicy` whose tiers are cost-model policies in their own mode's cost and memory (the last
+    tier reaching to its ``M_mem``); an infinite budget gives the memory caps."""
+    if len(tiers) <= 1:
+        scaled = cost_model.scaled(tiers[0].scale) if tiers and tiers[0].scale != 1.0 else cost_model
+
+        def single(budget: float) -> BatchSizePolicy:
+            if not math.isfinite(budget):
+                return EqualTokenPolicy(m_mem[0])  # memory caps only (used for the candidate range)
+            return policy_for_budget(scaled, m_mem[0], budget, oversize)
+
+        return single
+    priced = TieredCostModel(cost_model, tiers)
+
+    def tiered(budget: float) -> BatchSizePolicy:
+        parts = []
+        for i, (t, m) in enumerate(zip(tiers, m_mem, strict=True)):
+            limit = m if i == len(tiers) - 1 else t.max_seq_len
+            cm = cost_model.scaled(t.scale)
+            inner: BatchSizePolicy = (EqualTokenPolicy(m) if not math.isfinite(budget)
+                                      else CostModelPolicy(cm, m, budget, oversize="skip"))
+            parts.append((t.mode, limit, inner))
+        return TieredPolicy(parts, cost_model=priced, oversize=oversize)
+
+    return tiered
 
 
 #: Above this held-out median relative error a fit is reported as poor (reference fits: 4-10%).

@@ -19,11 +19,16 @@ through the collectives, so all ranks run the same steps. Bounds:
   measurement (the first pass), and shapes after the first pass get at most the budget that is left;
 - a shape that runs out of memory on any rank ends that sequence length's larger batches, and when
   it happens at B = 1 every longer sequence too (memory grows with tokens);
-- with a ``memory_limit`` (bytes a step may peak at), every shape after the first pass has its batch
-  size capped at what a memory model fitted to the peaks measured so far
-  (:class:`~lightning_adaptiveload.calibration.costmodel.MemoryModel`) predicts to fit, so the largest
-  batches profiled are the ones training will use (a measurement, not an extrapolation) and no time
-  goes to compiling and running shapes that cannot fit. A capped shape already measured is skipped.
+- with a ``memory_limit`` (bytes a step may peak at), every shape has its batch size capped at what a
+  memory model fitted to the peaks measured so far
+  (:class:`~lightning_adaptiveload.calibration.costmodel.MemoryModel`) predicts to fit (once two
+  token counts are measured), so the largest batches profiled are the ones training will use (a
+  measurement, not an extrapolation) and no time goes to compiling and running shapes that cannot
+  fit: a sequence predicted not to fit even at B = 1 is recorded ``"too_large"`` (another
+  activation-checkpointing mode may take it). A capped shape already measured is skipped;
+- with ``converge_rel``, shapes after the first pass are predicted by a cost model fitted to the
+  shapes measured so far before they run; once ``converge_after`` of them in a row were predicted
+  within ``converge_rel``, the rest are skipped (the fit has stopped learning).
 """
 
 from __future__ import annotations
@@ -38,9 +43,11 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-_STATUSES = ("ok", "oom", "skipped")
-# Batch sizes tried per sequence length when none are given; the longest sequence gets B = 1, 2.
-DEFAULT_BATCHES_PER_SEQ = 3
+_STATUSES = ("ok", "oom", "skipped", "too_large")
+# Batch sizes tried per sequence length when none are given: B = 1 and the largest that fits. Where
+# B = 1 already fills the device, the large batch costs B times as much and teaches the fit little,
+# so later rounds stop once the fit predicts them (``converge_rel``).
+DEFAULT_BATCHES_PER_SEQ = 2
 # A step slower than this reports each repetition, so a long shape never looks like a hang.
 _SLOW_STEP_S = 2.0
 
@@ -94,6 +101,8 @@ class Measurement:
     timed_steps: int = 0
     seconds: float = 0.0
     compile_s: float = 0.0
+    #: The activation-checkpointing mode the shape ran in (``None``: the model's own setting).
+    mode: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -116,9 +125,12 @@ class Measurement:
         if status == "ok" and not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
             raise ValueError(f"measurement {data!r} has status 'ok' but time_s={t!r}")
         peak = data.get("peak_bytes")
+        mode = data.get("mode")
+        if mode is not None and not isinstance(mode, str):
+            raise ValueError(f"measurement {data!r} has mode={mode!r}, expected a string or null")
         return cls(b, grid, s, None if t is None else float(t), None if peak is None else int(peak), status,
                    int(data.get("timed_steps", 0)), float(data.get("seconds", 0.0)),
-                   float(data.get("compile_s", 0.0)))
+                   float(data.get("compile_s", 0.0)), mode)
 
 
 def plan_grid(
@@ -220,6 +232,9 @@ def profile(
     compile_clock: Callable[[], float] | None = None,
     memory_limit: float | None = None,
     stable_rel: float = 0.0,
+    converge_rel: float = 0.0,
+    converge_after: int = 2,
+    form: str = "auto",
 ) -> list[Measurement]:
     """Profile ``plan`` (see the module docstring) and return one :class:`Measurement` per shape.
 
@@ -244,6 +259,9 @@ def profile(
             come); caps the batch sizes after the first pass (see the module docstring). Needs ``memory.peak``.
         stable_rel: stop a shape early once its timed steps (two or more) span at most this fraction of
             their median; 0 runs up to ``repeats``.
+        converge_rel: skip the remaining shapes after the first pass once ``converge_after`` in a row
+            were predicted within this relative error by the fit (``form``) of the shapes before
+            them; 0 profiles every shape.
 
     Raises:
         ValueError: bad arguments.
@@ -254,8 +272,9 @@ def profile(
     for name, value in (("shape_time_s", shape_time_s), ("time_budget_s", time_budget_s)):
         if not (isinstance(value, (int, float)) and value > 0):
             raise ValueError(f"`{name}={value!r}` is not valid. Expected seconds > 0.")
-    if not (isinstance(stable_rel, (int, float)) and 0 <= stable_rel < 1):
-        raise ValueError(f"`stable_rel={stable_rel!r}` is not valid. Expected a fraction in [0, 1).")
+    for name, value in (("stable_rel", stable_rel), ("converge_rel", converge_rel)):
+        if not (isinstance(value, (int, float)) and 0 <= value < 1):
+            raise ValueError(f"`{name}={value!r}` is not valid. Expected a fraction in [0, 1).")
     clock = clock or time.perf_counter
     coll = collectives or LocalCollectives()
     memory = memory or MemoryProbe()
@@ -268,16 +287,25 @@ def profile(
     out: list[Measurement] = []
     start = clock()
     stopped = False
+    converged = 0  # later-round shapes in a row that the fit predicted within converge_rel
     for i, shape in enumerate(plan):
-        if i >= first_pass and memory_limit is not None and memory.peak is not None:
+        if memory_limit is not None and memory.peak is not None:
             capped = _cap_batch(shape, out, memory_limit)
             if capped != shape.batch_size:
                 say(f"shape {i + 1}/{n}: B={shape.batch_size} grid={shape.grid} is predicted above the memory "
                     f"limit; " + (f"B={capped} instead" if capped else "skipped"))
-            if not capped or any(m.batch_size == capped and m.grid == shape.grid for m in out):
+            if not capped:
+                out.append(Measurement(shape.batch_size, shape.grid, shape.seq_len, None, None, "too_large"))
+                continue
+            if any(m.batch_size == capped and m.grid == shape.grid for m in out):
                 out.append(Measurement(shape.batch_size, shape.grid, shape.seq_len, None, None, "skipped"))
                 continue
             shape = Shape(capped, shape.grid)
+        if i >= first_pass and converge_rel > 0 and not stopped and converged >= converge_after:
+            say(f"the fit predicted {converged} shapes in a row within {converge_rel:.0%}; skipping the "
+                f"{n - i} left")
+            stopped = True
+        predicted = _predict_next(out, shape, form) if i >= first_pass and converge_rel > 0 else None
         b, grid, s = shape.batch_size, shape.grid, shape.seq_len
         elapsed = clock() - start
         if i >= first_pass and coll.broadcast(elapsed >= time_budget_s):
@@ -292,6 +320,8 @@ def profile(
         m = _profile_one(make_step, shape, coll, warmup, repeats, limit, sync, memory, on_oom, say,
                          f"shape {i + 1}/{n}", clock, compile_clock, stable_rel)
         out.append(m)
+        if predicted is not None and m.status == "ok":
+            converged = converged + 1 if abs(predicted / m.time_s - 1) <= converge_rel else 0
         if m.status == "oom":
             oom_at[s] = min(b, oom_at.get(s, b))
             if b == 1:
@@ -304,6 +334,24 @@ def profile(
         say(f"shape {i + 1}/{n}: B={b} grid={grid} S={s:,}: {result} | elapsed {done:.0f} s, "
             f"ETA {min(eta, max(time_budget_s - done, 0.0)):.0f} s")
     return out
+
+
+def _predict_next(done: Sequence[Measurement], shape: Shape, form: str) -> float | None:
+    """The step time of ``shape`` predicted by the cost model of the shapes measured so far (``None``:
+    too few to fit)."""
+    import warnings
+
+    from lightning_adaptiveload.calibration.costmodel import CostModel
+
+    ok = [m for m in done if m.status == "ok"]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "too few points for a held-out comparison": expected here
+            model = CostModel.fit([m.batch_size for m in ok], [m.seq_len for m in ok], [m.time_s for m in ok],
+                                  form=form)
+    except ValueError:
+        return None
+    return float(model.predict(shape.batch_size, shape.seq_len))
 
 
 def _cap_batch(shape: Shape, done: Sequence[Measurement], memory_limit: float) -> int:

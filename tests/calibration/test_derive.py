@@ -143,35 +143,73 @@ def test_bucket_counts_give_the_same_derivation_as_every_sample():
     assert bucketed.to_dict() == per_sample.to_dict()
 
 
-def _probe_result(status, peak, s=1000):
-    from lightning_adaptiveload.calibration.profile import Measurement
+def _m(b, s, t, peak, status="ok", mode=None):
+    return Measurement(b, (1, 1, s), s, t if status == "ok" else None, peak, status, 1 if status == "ok" else 0,
+                       mode=mode)
 
-    return Measurement(1, (1, 10, 100), s, 1.0 if status == "ok" else None, peak, status, 1 if status == "ok" else 0)
 
-
-def test_choose_checkpointing_least_recompute_that_fits_within_the_margin():
-    from lightning_adaptiveload.calibration.derive import choose_checkpointing, probe_fits
+def test_fit_tiers_each_mode_takes_what_it_measured_to_fit_within_the_limit():
+    from lightning_adaptiveload.calibration.derive import ModeTier, fit_tiers, fits_at_one
 
     gib = 2**30
-    peaks = {"none": 95 * gib, "selective": 60 * gib, "full": 30 * gib}
-    asked = []
+    cm = CostModel("quadratic", {"a": 0.0, "c1": 1e-6, "c2": 0.0})
+    limit = 80 * gib
+    none = [_m(1, 1000, 1e-3, 10 * gib), _m(4, 1000, 4e-3, 40 * gib), _m(1, 5000, 5e-3, 50 * gib),
+            _m(1, 8000, 8e-3, limit + 1), _m(1, 9000, None, None, "too_large")]
+    selective = [_m(1, 8000, 9.6e-3, 30 * gib), _m(1, 9000, 10.8e-3, 33 * gib)]
+    full = [_m(1, 12000, 20e-3, 20 * gib)]
+    tiers = fit_tiers([("none", none), ("selective", selective), ("full", full)], cm,
+                      MemoryModel(2 * gib, 1e7), limit)
+    # 'none' ends at the longest it trained within the limit (8000 ran, but one byte over it).
+    assert [(t.mode, t.max_seq_len) for t in tiers] == [("none", 5000), ("selective", 9000), ("full", 12000)]
+    assert tiers[0].scale == 1.0 and tiers[1].scale == pytest.approx(1.2) and tiers[2].scale == pytest.approx(20 / 12)
+    # Two token counts: fitted; one: the line through the base model's fixed bytes and the peak.
+    assert tiers[1].memory_model.predict(1, 9000) == pytest.approx(33 * gib, rel=1e-6)
+    assert tiers[2].memory_model == MemoryModel(2 * gib, 18 * gib / 12000)
+    assert fits_at_one(_m(1, 1, 1.0, None), None) and not fits_at_one(_m(2, 1, 1.0, 1), 2)
+    # A mode that adds nothing longer gets no tier; tiers round-trip through the record.
+    assert [t.mode for t in fit_tiers([("none", none), ("selective", none)], cm, None, limit)] == ["none"]
+    assert ModeTier.from_dict(tiers[1].to_dict()) == tiers[1]
 
-    def probe(mode):
-        asked.append(mode)
-        return _probe_result("ok", peaks[mode])
 
-    # 100 GiB device, 10% margin: 90 GiB usable; 10 GiB of optimizer state still to come.
-    choice = choose_checkpointing(("none", "selective", "full"), probe, 100 * gib, margin=0.1, pending_bytes=10 * gib)
-    assert choice.mode == "selective" and choice.fits and asked == ["none", "selective"]
-    assert [m for m, _ in choice.probes] == ["none", "selective"]
-    # Exactly at the limit fits; one byte over does not.
-    assert probe_fits(_probe_result("ok", 80 * gib), 100 * gib, 0.1, 10 * gib)
-    assert not probe_fits(_probe_result("ok", 80 * gib + 1), 100 * gib, 0.1, 10 * gib)
-    assert not probe_fits(_probe_result("oom", None), 100 * gib, 0.1)
-    assert probe_fits(_probe_result("ok", None), None, 0.1)  # CPU: running is enough
-    asked.clear()
-    nothing = choose_checkpointing(("none", "full"), lambda m: _probe_result("oom", None), 100 * gib)
-    assert nothing.mode == "full" and not nothing.fits and len(nothing.probes) == 2
-    assert choose_checkpointing(("none",), probe, 200 * gib).to_dict()["probes"][0]["mode"] == "none"
-    with pytest.raises(ValueError, match="`modes` is empty"):
-        choose_checkpointing((), probe, None)
+def test_tiered_derivation_prices_and_sizes_each_bucket_in_its_own_mode():
+    from lightning_adaptiveload.bucketing.policy import TieredPolicy
+    from lightning_adaptiveload.calibration.derive import ModeTier, TieredCostModel
+
+    cm = CostModel("quadratic", {"a": 0.01, "c1": 1e-6, "c2": 1e-10})
+    tiers = [ModeTier("none", 32760, 1.0), ModeTier("selective", 75600, 1.25)]
+    grids = np.array([(1, 30, 52), (21, 30, 52), (21, 45, 80)])  # 1,560 / 32,760 / 75,600
+    counts = np.array([400, 100, 50])
+    d = derive_policy(cm, grids, [65_520, 160_000], counts=counts, tiers=tiers, num_candidates=8)
+    assert isinstance(d.policy, TieredPolicy)
+    assert [d.policy.mode_for(s) for s in (1560, 32760, 75600)] == ["none", "none", "selective"]
+    assert d.mode_for(75600) == "selective" and d.mode_for(1560) == "none"
+    b = d.policy.batch_sizes(np.array([1560, 32760, 75600]))
+    # Memory caps are each tier's own: images under none's 65,520, the 720p clip under selective's 160,000.
+    assert b[0] <= 65_520 // 1560 and b[1] <= 2 and 1 <= b[2] <= 160_000 // 75600
+    # The sampler prices each bucket in its mode; the budget bounds every bucket's predicted step.
+    priced = TieredCostModel(cm, tiers)
+    assert priced.predict(1, 75600) == pytest.approx(1.25 * cm.predict(1, 75600))
+    assert priced.predict(3, 1560) == pytest.approx(cm.predict(3, 1560))
+    assert d.cost_model is d.policy.cost_model
+    assert max(priced.predict(bb, s) for bb, s in zip(b, (1560, 32760, 75600), strict=True)) <= max(
+        d.step_budget_s, priced.predict(1, 75600))
+    assert [t["m_mem"] for t in d.tiers] == [65_520, 160_000] and d.m_mem == 160_000
+    # The baseline is one mode for the run: equal tokens at the last tier's budget, all priced in it.
+    assert "all in 'selective'" in d.summary()
+    with pytest.raises(ValueError, match="one token budget per tier"):
+        derive_policy(cm, grids, 65_520, counts=counts, tiers=tiers)
+    # One tier: the plain rule in that mode (a power model keeps the paper's dual constraint).
+    single = derive_policy(CostModel("power", {"a": 0.01, "b": 1e-9, "p": 1.6}), grids[:2], [65_520],
+                           counts=counts[:2], tiers=[ModeTier("none", 32760, 1.0)], num_candidates=4)
+    assert isinstance(single.policy, DualConstraintPolicy) and single.mode_for(32760) == "none"
+
+
+def test_scaled_cost_model_multiplies_every_prediction():
+    for cm in (CostModel("power", {"a": 0.01, "b": 1e-9, "p": 1.6}),
+               CostModel("quadratic", {"a": 0.01, "c1": 1e-6, "c2": 1e-10}),
+               CostModel("saturating", {"a": 0.01, "c1": 1e-6, "c2": 1e-10, "k": 3.0})):
+        b, s = np.array([1, 4, 1]), np.array([1560, 7800, 75600])
+        assert np.allclose(cm.scaled(1.3).predict(b, s), 1.3 * cm.predict(b, s), rtol=1e-12)
+    with pytest.raises(ValueError, match="factor"):
+        cm.scaled(0.0)

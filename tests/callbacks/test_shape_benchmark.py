@@ -15,7 +15,6 @@ from lightning_adaptiveload.bucketing.policy import CostModelPolicy, DualConstra
 from lightning_adaptiveload.calibration import derive_policy, plan_grid
 from lightning_adaptiveload.calibration.costmodel import CostModel
 from lightning_adaptiveload.calibration.record import Calibration
-from lightning_adaptiveload.callbacks import shape_benchmark as sb
 from lightning_adaptiveload.callbacks.shape_benchmark import ShapeBenchmarkCallback
 
 GRIDS = np.array([(1, 2, 2), (1, 4, 4), (2, 4, 4), (3, 4, 6), (5, 6, 6)] * 3, dtype=np.int64)  # S 4..180
@@ -124,6 +123,7 @@ def _trainer(tmp_path, *callbacks, max_steps=2, **kwargs):
 def _cb(tmp_path, **kwargs):
     kwargs.setdefault("repeats", 2)
     kwargs.setdefault("warmup", 1)
+    kwargs.setdefault("converge_rel", 0.0)  # every planned shape runs unless a test says otherwise
     kwargs.setdefault("save_dir", tmp_path / "bench")
     return ShapeBenchmarkCallback(**kwargs)
 
@@ -206,7 +206,7 @@ def test_recovers_known_cost_through_the_callback(tmp_path, monkeypatch):
     # The model "takes" a + b·B·S^p simulated seconds per step (large, so the real CPU time of the
     # tiny model, ~0.1 s on a busy machine, is noise below 0.5%); the fit must find p.
     clock = FakeClock()
-    monkeypatch.setattr(sb.time, "perf_counter", clock)
+    monkeypatch.setattr(time, "perf_counter", clock)
     model = TinyModule()
 
     def advance(b, s):
@@ -227,7 +227,7 @@ def test_recovers_known_cost_through_the_callback(tmp_path, monkeypatch):
 
 def test_time_budget_stops_after_first_pass(tmp_path, monkeypatch):
     clock = FakeClock()
-    monkeypatch.setattr(sb.time, "perf_counter", clock)
+    monkeypatch.setattr(time, "perf_counter", clock)
     model = TinyModule()
 
     def advance(b, s):
@@ -512,7 +512,7 @@ def test_fixed_m_mem_skip_never_profiles_oversize_and_error_fails_first(tmp_path
     assert dm.policy.oversize == "skip" and dm.policy.batch_size(180) == 0
 
     dm, model = TinyDataModule(), TinyModule()
-    with pytest.raises(ValueError, match=r"S=180 tokens.*bucketing.policy.oversize=skip"):
+    with pytest.raises(ValueError, match=r"3 samples are longer than the 100 tokens .*\(m_mem=100\).*S=180\).*oversize='skip'"):
         _trainer(tmp_path, _cb(tmp_path, m_mem=100)).fit(model, datamodule=dm)
     assert model.calls == []  # before any profiling
 
@@ -525,78 +525,114 @@ class ModalModule(TinyModule):
     def __init__(self, oom_modes=("none",), dim: int = 8) -> None:
         super().__init__(dim)
         self.checkpointing = "auto"
-        self.modes_seen: list[str] = []
+        self.modes_seen: list[tuple[str, int]] = []
         s_max = int(GRIDS.prod(axis=1).max())
 
         def hook(b, s):
-            self.modes_seen.append(self.checkpointing)
+            self.modes_seen.append((self.checkpointing, s))
             if self.checkpointing in oom_modes and b * s >= s_max:
                 raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
 
         self.hook = hook
+
+    def batch_shape(self, batch):
+        return tuple(batch["x"].shape[:2])
 
     def set_checkpointing(self, mode):
         assert mode in self.checkpointing_modes
         self.checkpointing = mode
 
 
-def test_auto_checkpointing_picks_least_recompute_that_fits_and_is_reapplied(tmp_path):
+class BucketDataModule(TinyDataModule):
+    """Training batches of one sample each, with the sample's own token count (S of its grid)."""
+
+    def train_dataloader(self):
+        self.events.append("train_dataloader")
+        seq = self.dataset.grids.prod(axis=1)
+        order = np.argsort(-seq, kind="stable")  # the longest bucket first, so short runs still train it
+        return DataLoader([{"x": torch.randn(int(seq[i]), 4)} for i in order], batch_size=1)
+
+
+def _tiers(cb):
+    return [(t["mode"], t["max_seq_len"]) for t in cb.calibration.extra["checkpointing"]["tiers"]]
+
+
+def test_auto_checkpointing_is_chosen_per_bucket_and_reapplied(tmp_path):
+    from lightning_adaptiveload.bucketing.policy import TieredPolicy
+
     cache = tmp_path / "cache"
-    cb, model = _cb(tmp_path, cache_dir=cache), ModalModule(oom_modes=("none",))
-    _trainer(tmp_path, cb).fit(model, datamodule=TinyDataModule())
-    choice = cb.calibration.extra["checkpointing"]
-    assert choice["mode"] == "selective" and choice["fits"]
-    assert [(p["mode"], p["status"], p["seq_len"]) for p in choice["probes"]] == [("none", "oom", 180), ("selective", "ok", 180)]
-    assert model.checkpointing == "selective"
-    # Probes first (one step each), then every profiled step in the chosen mode; `full` never ran.
-    assert model.modes_seen[:2] == ["none", "selective"] and set(model.modes_seen[2:]) == {"selective"}
+    cb, model, dm = _cb(tmp_path, cache_dir=cache), ModalModule(oom_modes=("none",)), BucketDataModule()
+    _trainer(tmp_path, cb, max_steps=8).fit(model, datamodule=dm)
+    # S <= 72 fits without recomputation; only the S = 180 bucket needs 'selective'; 'full' never runs.
+    assert _tiers(cb) == [("none", 72), ("selective", 180)]
+    assert isinstance(dm.policy, TieredPolicy)
+    assert [dm.policy.mode_for(s) for s in (4, 72, 180)] == ["none", "none", "selective"]
+    profiled = [m for m in cb.calibration.measurements if m.status == "ok"]
+    assert {m.mode for m in profiled if m.seq_len < 180} == {"none"}
+    assert {(m.mode, m.batch_size) for m in profiled if m.seq_len == 180} == {("selective", 1)}
+    assert all(mode != "full" for mode, _ in model.modes_seen)
+    # Training: every batch ran in its bucket's mode (the callback switches it per batch).
+    trained = model.modes_seen[-8:]
+    assert {s for _, s in trained} >= {180} and any(s < 180 for _, s in trained)
+    assert all(mode == ("selective" if s == 180 else "none") for mode, s in trained)
     assert cb.calibration.key["checkpointing"] == "auto"
 
-    # The cached record carries the mode: a new "auto" run takes it without probing or profiling.
+    # The cached record carries the tiers: a new "auto" run takes them without profiling.
     again, model2 = _cb(tmp_path, cache_dir=cache), ModalModule(oom_modes=("none",))
-    _trainer(tmp_path, again).fit(model2, datamodule=TinyDataModule())
-    assert again.source == "cache" and model2.checkpointing == "selective"
-    assert len(model2.modes_seen) == 2 and set(model2.modes_seen) == {"selective"}  # the two training steps
+    _trainer(tmp_path, again, max_steps=8).fit(model2, datamodule=BucketDataModule())
+    assert again.source == "cache" and len(model2.modes_seen) == 8
+    assert all(mode == ("selective" if s == 180 else "none") for mode, s in model2.modes_seen)
 
-    # Resume: the checkpoint's calibration gives the mode back.
+    # Resume: the checkpoint's calibration gives the tiers back ('full' for S = 180 this time).
     trainer = _trainer(tmp_path, first := _cb(tmp_path))
-    trainer.fit(ModalModule(oom_modes=("none", "selective")), datamodule=TinyDataModule())
-    assert first.calibration.extra["checkpointing"]["mode"] == "full"
+    trainer.fit(ModalModule(oom_modes=("none", "selective")), datamodule=BucketDataModule())
+    assert _tiers(first) == [("none", 72), ("full", 180)]
     trainer.save_checkpoint(tmp_path / "auto.ckpt")
     resumed, model3 = _cb(tmp_path), ModalModule(oom_modes=())
-    _trainer(tmp_path, resumed, max_steps=3).fit(model3, datamodule=TinyDataModule(), ckpt_path=tmp_path / "auto.ckpt")
-    assert resumed.source == "checkpoint" and model3.checkpointing == "full"
+    _trainer(tmp_path, resumed, max_steps=10).fit(model3, datamodule=BucketDataModule(), ckpt_path=tmp_path / "auto.ckpt")
+    assert resumed.source == "checkpoint" and not resumed.profiled
+    assert all(mode == ("full" if s == 180 else "none") for mode, s in model3.modes_seen)
 
 
-def test_auto_checkpointing_that_fits_nowhere_stops_before_profiling(tmp_path):
+def test_auto_checkpointing_that_fits_nowhere_names_the_samples(tmp_path):
     model = ModalModule(oom_modes=("none", "selective", "full"))
-    with pytest.raises(ValueError, match=r"S=180\), which does not fit one device even with 'full'"):
-        _trainer(tmp_path, _cb(tmp_path)).fit(model, datamodule=TinyDataModule())
-    assert model.modes_seen == ["none", "selective", "full"]  # the three probes, no profile
+    with pytest.raises(ValueError, match=r"3 samples are longer than the 72 tokens .* even with 'full' .*S=180\)"):
+        _trainer(tmp_path, _cb(tmp_path)).fit(model, datamodule=BucketDataModule())
+    assert [m for m, s in model.modes_seen if s == 180] == ["none", "selective", "full"]  # one try per mode
+
+    # With oversize="skip" the run trains the rest without recomputation.
+    dm = TinyDataModule()
+    dm.policy = DualConstraintPolicy(64, 1e4, 2.0, oversize="skip")
+    cb = _cb(tmp_path)
+    _trainer(tmp_path, cb).fit(ModalModule(oom_modes=("none", "selective", "full")), datamodule=dm)
+    assert _tiers(cb) == [("none", 72)] and dm.policy.batch_size(180) == 0
 
 
 def test_a_fixed_mode_is_part_of_the_key_and_never_probed(tmp_path):
     model = ModalModule(oom_modes=())
     model.checkpointing = "full"
     cb = _cb(tmp_path)
-    _trainer(tmp_path, cb).fit(model, datamodule=TinyDataModule())
+    _trainer(tmp_path, cb).fit(model, datamodule=BucketDataModule())
     assert cb.calibration.key["checkpointing"] == "full" and "checkpointing" not in cb.calibration.extra
-    assert model.checkpointing == "full" and set(model.modes_seen) == {"full"}
+    assert model.checkpointing == "full" and {m for m, _ in model.modes_seen} == {"full"}
 
 
-def test_late_restoring_strategy_gets_the_checkpoints_checkpointing_mode(tmp_path):
-    # Such strategies restore after on_fit_start: the run profiles first (here choosing 'none'), then the
-    # checkpoint's calibration replaces it, and its mode ('full') must replace the profiled one too.
+def test_late_restoring_strategy_gets_the_checkpoints_checkpointing_modes(tmp_path):
+    # Such strategies restore after on_fit_start: the run profiles first (here all in 'none'), then the
+    # checkpoint's calibration replaces it, and its tiers must replace the profiled ones too.
     first = _cb(tmp_path)
     trainer = _trainer(tmp_path, first, strategy=LateRestoreStrategy(torch.device("cpu")))
-    trainer.fit(ModalModule(oom_modes=("none", "selective")), datamodule=TinyDataModule())
-    assert first.calibration.extra["checkpointing"]["mode"] == "full"
+    trainer.fit(ModalModule(oom_modes=("none", "selective")), datamodule=BucketDataModule())
+    assert _tiers(first) == [("none", 72), ("full", 180)]
     trainer.save_checkpoint(tmp_path / "late.ckpt")
     resumed, model = _cb(tmp_path), ModalModule(oom_modes=())
-    trainer = _trainer(tmp_path, resumed, strategy=LateRestoreStrategy(torch.device("cpu")), max_steps=4)
-    trainer.fit(model, datamodule=TinyDataModule(), ckpt_path=tmp_path / "late.ckpt")
+    trainer = _trainer(tmp_path, resumed, strategy=LateRestoreStrategy(torch.device("cpu")), max_steps=10)
+    trainer.fit(model, datamodule=BucketDataModule(), ckpt_path=tmp_path / "late.ckpt")
     assert resumed.profiled and resumed.source == "checkpoint"
-    assert model.checkpointing == "full"
+    assert _tiers(resumed) == [("none", 72), ("full", 180)]
+    trained = model.modes_seen[-(10 - 2):]  # the steps after the checkpoint's 2
+    assert any(s == 180 for _, s in trained)
+    assert all(mode == ("full" if s == 180 else "none") for mode, s in trained)
 
 
 def test_out_of_memory_in_training_says_what_was_predicted_and_what_to_change(tmp_path):
@@ -627,5 +663,5 @@ def test_out_of_memory_in_training_says_what_was_predicted_and_what_to_change(tm
     want = (2 * 2**30 + 2**20 * b * s + 2**30) / 2**30
     (message,) = [str(w.message) for w in record if "ran out of memory" in str(w.message)]
     assert f"on a B={b} S={s:,} batch; the calibration's memory model predicted {want:.1f} GiB of 16.0 GiB" in message
-    assert "callbacks.shape_benchmark.memory_margin=0.1, e.g. to 0.2" in message
+    assert "ShapeBenchmarkCallback(memory_margin=0.1), e.g. to 0.2" in message
     assert "expandable_segments:True" in message

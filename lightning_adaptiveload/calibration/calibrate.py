@@ -1,0 +1,351 @@
+"""The calibration conductor: where a calibration comes from, and everything that turns it into a policy.
+
+:func:`calibrate` resolves the source (a pinned file → the checkpoint being resumed → the cache →
+a fresh profile), profiles when it must (per activation-checkpointing mode when the model leaves the
+mode to it), fits the cost and memory models, sizes each mode's memory budget and derives the policy
+by the one rule of :mod:`~lightning_adaptiveload.calibration.derive`. It knows nothing of Lightning:
+the caller hands in a :class:`Trainee` (the real training step, the collectives, the device), as
+Lightning's ``BatchSizeFinder`` hands its trial loop the trainer. The shape-benchmark callback, the
+benchmarks and a plain torch loop all calibrate through it, so each rule is written once.
+
+Per-bucket activation checkpointing (``Trainee.modes``): the profile runs in the mode with the least
+recomputation first. Shapes whose predicted peak does not fit are not run (``"too_large"``); the
+longest sequence predicted to fit is always measured at B = 1, so a mode's range ends at a
+measurement. The sequence lengths left over are profiled at B = 1 in the next mode (on long sequences
+one sample already fills the device, and the cost model's S-dependence is known from the first mode):
+its measured step times give its recomputation scale, its peaks its memory model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import lightning_adaptiveload.calibration.derive as derive
+import lightning_adaptiveload.calibration.record as record
+from lightning_adaptiveload.calibration.profile import (
+    Collectives,
+    LocalCollectives,
+    Measurement,
+    MemoryProbe,
+    Shape,
+    plan_grid,
+    profile,
+)
+
+__all__ = ["CalibrationResult", "ProfileSettings", "Trainee", "calibrate", "check_oversize", "profile_modes"]
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    """How to profile and derive (the arguments of
+    :class:`~lightning_adaptiveload.callbacks.shape_benchmark.ShapeBenchmarkCallback`, which checks them)."""
+
+    batch_sizes: Sequence[int] | None = None
+    max_shapes: int = 8
+    repeats: int = 3
+    stable_rel: float = 0.02
+    warmup: int = 1
+    shape_time_s: float = 10.0
+    time_budget_s: float = 120.0
+    converge_rel: float = 0.03
+    form: str = "auto"
+    memory_margin: float = 0.1
+    step_budget_s: float | None = None
+    m_mem: int | None = None
+
+
+@dataclass
+class Trainee:
+    """What the conductor drives: the real training step and the device it runs on.
+
+    Attributes:
+        make_step: ``(B, grid) -> step``; ``step()`` runs one forward + backward (no optimizer step).
+        modes: activation-checkpointing modes to choose per bucket, least recomputation first; empty:
+            the model's own setting is profiled.
+        set_mode: switches the model to a mode (needed with ``modes``).
+        device_memory: bytes of the device (``None``: not measured, e.g. CPU).
+        pending_bytes: optimizer state not yet allocated while profiling.
+        isolation: a context manager factory that leaves no trace of profiling (weights, RNG, modes).
+    """
+
+    make_step: Callable[[int, tuple[int, int, int]], Callable[[], None]]
+    collectives: Collectives = field(default_factory=LocalCollectives)
+    modes: tuple[str, ...] = ()
+    set_mode: Callable[[str], None] | None = None
+    device_memory: int | None = None
+    pending_bytes: int = 0
+    memory: MemoryProbe = field(default_factory=MemoryProbe)
+    synchronize: Callable[[], None] | None = None
+    on_oom: Callable[[], None] | None = None
+    compile_clock: Callable[[], float] | None = None
+    isolation: Callable[[], Any] = contextlib.nullcontext
+    device_name: str = "cpu"
+    world_size: int = 1
+
+
+@dataclass
+class CalibrationResult:
+    """A calibration, the policy derived from it, and where it came from."""
+
+    calibration: record.Calibration
+    derivation: derive.Derivation
+    source: str
+    profiled: bool = False
+
+
+def check_oversize(grids: np.ndarray, counts: np.ndarray, limit: int, oversize: str, why: str = "") -> None:
+    """Raise when samples are longer than ``limit`` tokens and ``oversize == "error"``: the one rule for
+    samples that cannot train even alone."""
+    seq = grids.prod(axis=1)
+    over = np.flatnonzero(seq > limit)
+    if over.size and oversize == "error":
+        i = int(over[np.argmin(seq[over])])
+        raise ValueError(
+            f"{int(counts[over].sum())} samples are longer than the {limit:,} tokens that fit one device{why}, "
+            f"starting with {int(counts[i])} of token grid {tuple(int(v) for v in grids[i])} (S={int(seq[i]):,}). "
+            "Enable activation checkpointing (activation_checkpointing='auto' chooses it per bucket) or shard "
+            "the model to fit them, crop or remove such samples, or set `oversize='skip'` on the policy "
+            "(bucketing.policy.oversize=skip) to leave them out (counted; they are not profiled either)."
+        )
+
+
+def calibrate(
+    grids: np.ndarray,
+    counts: np.ndarray,
+    settings: ProfileSettings,
+    trainee: Trainee | Callable[[], Trainee],
+    *,
+    key: dict[str, Any],
+    pinned: str | Path | None = None,
+    restored: dict[str, Any] | None = None,
+    cache_dir: str | Path | None = None,
+    force: bool = False,
+    is_global_zero: bool = True,
+    broadcast: Callable[[Any], Any] = lambda obj: obj,
+    world_size: int = 1,
+    balance: str = "cost",
+    seed: int = 0,
+    oversize: str = "error",
+    say: Callable[[str], None] = lambda line: None,
+    warn: Callable[[str], None] = lambda line: None,
+) -> CalibrationResult:
+    """Calibrate a corpus of distinct token ``grids`` with sample ``counts`` (see the module docstring).
+
+    Args:
+        settings: profiling and derivation settings.
+        trainee: the step to profile, or a factory called only when profiling is needed.
+        key: what determines a step's cost; a checkpoint's or the cache's calibration is used only when
+            its key is equal.
+        pinned: a calibration file used as is.
+        restored: the shape benchmark's checkpoint state (``{"calibration": json, "derived": {...}}``);
+            its budgets are applied as they were, so a resumed epoch plans the same batches.
+        cache_dir: the calibration cache (``None``: off); read on rank 0 and broadcast, written on rank 0.
+        force: profile even when the checkpoint or the cache holds a matching calibration.
+        broadcast: rank 0's object on every rank.
+        world_size, balance, seed, oversize: the run's sampler settings (the derivation plans with them).
+
+    Raises:
+        ValueError: samples that fit no mode with ``oversize="error"``; nothing could be fitted.
+        CalibrationError: the pinned file is not a calibration.
+    """
+    cal, derived, source = None, None, None
+    if pinned is not None:
+        cal, source = record.load_calibration(pinned), f"file {pinned}"
+    elif not force and restored is not None:
+        candidate = record.Calibration.from_json(restored["calibration"], source="the checkpoint")
+        if candidate.key == key:
+            cal, derived, source = candidate, restored.get("derived"), "checkpoint"
+        else:
+            warn(f"the checkpoint's calibration was made for another setup ({key_diff(candidate.key, key)}); "
+                 "profiling again.")
+    if cal is None and not force and cache_dir is not None:
+        text = None
+        if is_global_zero:
+            hit = record.read_cache(cache_dir, key)
+            text = None if hit is None else hit.to_json()
+        text = broadcast(text)
+        if text is not None:
+            cal, source = record.Calibration.from_json(text), "cache"
+    profiled = cal is None
+    if cal is None:
+        if settings.m_mem is not None:
+            check_oversize(grids, counts, settings.m_mem, oversize, f" (m_mem={settings.m_mem:,})")
+        target = trainee() if callable(trainee) and not isinstance(trainee, Trainee) else trainee
+        cal = profile_modes(grids, counts, settings, target, key, say=say, warn=warn)
+        # Timings are maxima over ranks, so every rank fits the same models; broadcasting rank 0's
+        # record makes agreement exact regardless of floating-point reduction order.
+        cal = record.Calibration.from_json(broadcast(cal.to_json()))
+        source = "profiled"
+        if cache_dir is not None and is_global_zero:
+            record.write_cache(cache_dir, cal)
+    derivation = derive_for(cal, grids, counts, settings, derived=derived, world_size=world_size, balance=balance,
+                            seed=seed, oversize=oversize, say=say)
+    return CalibrationResult(cal, derivation, str(source), profiled)
+
+
+def derive_for(cal: record.Calibration, grids: np.ndarray, counts: np.ndarray, settings: ProfileSettings, *,
+               derived: dict[str, Any] | None = None, world_size: int = 1, balance: str = "cost", seed: int = 0,
+               oversize: str = "error", say: Callable[[str], None] = lambda line: None) -> derive.Derivation:
+    """The policy of a calibration for this corpus: the memory budget of each mode's tier (or the budgets
+    ``derived`` records, on resume), the oversize rule, then :func:`~lightning_adaptiveload.calibration.derive.derive_policy`."""
+    try:
+        tiers = derive.tiers_from_record(cal.extra)
+    except ValueError as err:
+        raise record.CalibrationError(f"calibration ({cal.key.get('model', '?')}): {err}. Profile again.") from err
+    seq = grids.prod(axis=1)
+    if derived is not None:
+        # A resumed run applies the budgets its checkpoint was trained with, whatever the world size now.
+        m_mem: Any = derived.get("tier_m_mem") or int(derived["m_mem"])
+        budget: float | None = float(derived["step_budget_s"])
+    else:
+        budget = settings.step_budget_s
+        if settings.m_mem is not None:
+            m_mem = [settings.m_mem] * len(tiers) if tiers else settings.m_mem
+        elif tiers:
+            found = derive.tier_memory_budgets(tiers, cal.measurements, cal.device_memory,
+                                               margin=settings.memory_margin, pending_bytes=cal.optimizer_bytes,
+                                               seq_lens=seq)
+            m_mem = [m for m, _ in found]
+            for t, (m, how) in zip(tiers, found, strict=True):
+                say(f"'{t.mode}' for S <= {t.max_seq_len:,}: M_mem = {m:,} tokens ({how})")
+        else:
+            m_mem, how = derive.memory_budget(
+                cal.measurements, cal.memory_model, cal.device_memory, margin=settings.memory_margin,
+                pending_bytes=cal.optimizer_bytes, longest_seq_len=int(seq.max()), shortest_seq_len=int(seq.min()))
+            say(f"M_mem = {m_mem:,} tokens ({how})")
+    limit = int(m_mem[-1]) if isinstance(m_mem, list) else int(m_mem)
+    tried = (cal.extra.get("checkpointing") or {}).get("modes") or [t.mode for t in tiers or ()]
+    why = f" even with '{tried[-1]}' activation checkpointing" if tried else ""
+    check_oversize(grids, counts, limit, oversize, why)
+    return derive.derive_policy(cal.cost_model, grids, m_mem, counts=counts, world_size=world_size, balance=balance,
+                                step_budget_s=budget, oversize=oversize, seed=seed, tiers=tiers)
+
+
+def profile_modes(grids: np.ndarray, counts: np.ndarray, settings: ProfileSettings, trainee: Trainee,
+                  key: dict[str, Any], *, say: Callable[[str], None] = lambda line: None,
+                  warn: Callable[[str], None] = lambda line: None) -> record.Calibration:
+    """Profile the corpus (per mode with ``trainee.modes``), fit the models and return the record."""
+    limit = None
+    if trainee.device_memory:
+        limit = trainee.device_memory * (1.0 - settings.memory_margin) - trainee.pending_bytes
+    modes: tuple[str | None, ...] = trainee.modes or (None,)
+    seq_all = grids.prod(axis=1)
+    if settings.m_mem is not None:
+        grids, counts, seq_all = grids[seq_all <= settings.m_mem], counts[seq_all <= settings.m_mem], \
+            seq_all[seq_all <= settings.m_mem]
+    say(f"profiling {len(np.unique(seq_all))} sequence lengths on {trainee.device_name} x {trainee.world_size}"
+        + (f", per-bucket activation checkpointing {' -> '.join(trainee.modes)}" if trainee.modes else "")
+        + f" (at most {settings.shape_time_s:.0f} s a shape, budget {settings.time_budget_s:.0f} s)")
+    common = dict(collectives=trainee.collectives, synchronize=trainee.synchronize, memory=trainee.memory,
+                  on_oom=trainee.on_oom, compile_clock=trainee.compile_clock, warmup=settings.warmup,
+                  repeats=settings.repeats, shape_time_s=settings.shape_time_s, memory_limit=limit,
+                  stable_rel=settings.stable_rel, form=settings.form)
+    clock = time.perf_counter
+    start = clock()
+    compile_start = trainee.compile_clock() if trainee.compile_clock else 0.0
+    by_mode: list[tuple[str | None, list[Measurement]]] = []
+    remaining = grids
+    with trainee.isolation():
+        for k, mode in enumerate(modes):
+            if not len(remaining):
+                break
+            if mode is not None:
+                trainee.set_mode(mode)  # type: ignore[misc]
+            left = max(1e-3, settings.time_budget_s - (clock() - start))
+            tag = f"[{mode}] " if mode else ""
+
+            def run(plan: list[Shape], tag: str = tag, left: float = left, converge: float = 0.0) -> list[Measurement]:
+                return profile(trainee.make_step, plan, time_budget_s=left, converge_rel=converge,
+                               progress=lambda line: say(tag + line), **common)
+
+            if k == 0:
+                plan = plan_grid(remaining, settings.batch_sizes, settings.max_shapes, max_tokens=settings.m_mem)
+                meas = run(plan, converge=settings.converge_rel)
+            else:
+                # Longer sequences only: B = 1 fills the device, and the S-dependence is the first mode's.
+                meas = run([Shape(1, g) for g in _spread(remaining, settings.max_shapes)])
+            meas += _measure_longest_fit(remaining, meas, run, limit)
+            meas = [dataclasses.replace(m, mode=mode) for m in meas]
+            by_mode.append((mode, meas))
+            fit_s = max([m.seq_len for m in meas if derive.fits_at_one(m, limit)], default=0)
+            remaining = remaining[remaining.prod(axis=1) > fit_s]
+            if len(remaining) and k + 1 < len(modes):
+                say(f"{len(np.unique(remaining.prod(axis=1)))} sequence lengths above S={fit_s:,} do not fit in "
+                    f"'{mode}'; trying '{modes[k + 1]}'")
+    measurements = [m for _, ms in by_mode for m in ms]
+    base_mode, base = max(by_mode, key=lambda mm: sum(m.status == "ok" for m in mm[1]))
+    try:
+        cost_model, memory_model, notes = derive.fit_models(base, settings.form,
+                                                            fit_memory=trainee.device_memory is not None)
+    except ValueError as err:
+        raise RuntimeError(f"calibration: {err}") from err
+    for note in notes:
+        warn(note)
+    extra: dict[str, Any] = {}
+    if trainee.modes:
+        tiers = derive.fit_tiers(by_mode, cost_model, memory_model, limit)  # type: ignore[arg-type]
+        if not tiers:
+            tiers = [derive.ModeTier(modes[-1], int(seq_all.min()), 1.0, memory_model)]  # nothing fits: oversize
+        extra["checkpointing"] = {"tiers": [t.to_dict() for t in tiers], "base_mode": base_mode,
+                                  "modes": list(trainee.modes)}
+        say("activation checkpointing per bucket: " + ", ".join(
+            f"'{t.mode}' up to S={t.max_seq_len:,} (x{t.scale:.2f} step time)" for t in tiers))
+    extra["compile_seconds"] = (trainee.compile_clock() - compile_start) if trainee.compile_clock else 0.0
+    if extra["compile_seconds"] > 0:
+        say(f"{extra['compile_seconds']:.1f} s of the profile went to torch.compile (never timed).")
+    elapsed = clock() - start
+    skipped = sum(m.status == "skipped" for m in measurements)
+    if elapsed >= settings.time_budget_s and skipped:
+        warn(f"time budget {settings.time_budget_s:.0f} s reached; {skipped} of {len(measurements)} shapes were "
+             "not profiled. Fitting on the rest; raise `time_budget_s` to profile them.")
+    return record.Calibration(
+        key=key, cost_model=cost_model, measurements=measurements, memory_model=memory_model,
+        device_memory=trainee.device_memory, optimizer_bytes=trainee.pending_bytes, profile_seconds=elapsed,
+        world_size=trainee.world_size, extra=extra)
+
+
+def _spread(grids: np.ndarray, max_shapes: int) -> list[tuple[int, int, int]]:
+    """Up to ``max_shapes`` grids of distinct S spread over the range, the shortest and longest included."""
+    seq = grids.prod(axis=1)
+    _, first = np.unique(seq, return_index=True)
+    reps = [tuple(int(v) for v in grids[i]) for i in first]
+    if len(reps) > max_shapes:
+        idx = np.unique(np.round(np.linspace(0, len(reps) - 1, max_shapes)).astype(int))
+        reps = [reps[i] for i in idx]
+    return reps  # type: ignore[return-value]
+
+
+def _measure_longest_fit(grids: np.ndarray, meas: list[Measurement], run: Callable[..., list[Measurement]],
+                         limit: float | None) -> list[Measurement]:
+    """Probe, at B = 1, the sequences longer than the longest measured to fit that the profile left out
+    (not in its spread) until one does not fit: a mode's range then ends at a measurement."""
+    extra: list[Measurement] = []
+    tried = {m.seq_len for m in meas if m.batch_size == 1 and m.status != "skipped"}
+    for g in _spread(grids, len(grids)):
+        s = int(np.prod(g))
+        done = meas + extra
+        fit_s = max([m.seq_len for m in done if derive.fits_at_one(m, limit)], default=0)
+        if s <= fit_s:
+            continue
+        if s in tried or any(m.seq_len < s and m.batch_size == 1 and m.status in ("oom", "too_large")
+                             for m in done):
+            break  # measured (or a shorter one did not fit): the range ends here
+        extra += run([Shape(1, g)])
+        if not derive.fits_at_one(extra[-1], limit):
+            break
+    return extra
+
+
+def key_diff(a: dict[str, Any], b: dict[str, Any]) -> str:
+    """Which fields of two calibration keys differ, in words."""
+    names = {"model": "model architecture", "grid": "profiled grid"}
+    diff = [names.get(k, k) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    return ", ".join(diff) + " differ" if diff else "same key"
