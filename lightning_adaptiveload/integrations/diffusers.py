@@ -11,9 +11,17 @@ Two pieces:
   ``norm2`` (cross-attention) has no modulation and stays as it is. :func:`unpatch_wan_transformer`
   restores the originals. :class:`~lightning_adaptiveload.callbacks.FusedAdaLNCallback` applies the
   patch by default.
+* :func:`set_wan_checkpointing` gives every block activation checkpointing inside its own forward
+  (``none``/``selective``/``full``, the protocol of :class:`~lightning_adaptiveload.models.wan.WanAttentionBlock`),
+  so a compiled block compiles the recompute with it and switching modes is one attribute per block.
 * :class:`DiffusersWanModule`, a LightningModule that trains the model with Wan's rectified-flow
-  objective and provides the :class:`~lightning_adaptiveload.models.protocol.AdaptiveLoadModule`
-  members the callbacks and the DataModule use.
+  objective (:class:`~lightning_adaptiveload.models.rectified_flow.RectifiedFlowModule`) and provides the
+  :class:`~lightning_adaptiveload.models.protocol.AdaptiveLoadModule` members the callbacks and the
+  DataModule use.
+
+A block's fused AdaLN and its checkpointing share one per-instance ``forward`` (``_block_forward``): it
+runs the block's body (``_wan_body``: diffusers' forward, or the fused one once patched) under the
+block's ``checkpointing`` mode.
 
 Why per-instance ``forward`` and not a subclass swap: diffusers finds blocks by class name
 (``_repeated_blocks`` for ``compile_repeated_blocks``, ``_no_split_modules`` for device maps) and by
@@ -34,33 +42,32 @@ import contextlib
 import functools
 import hashlib
 import inspect
-import math
 import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
+from diffusers.models.modeling_utils import ModelMixin
 from diffusers.models.normalization import FP32LayerNorm
 from diffusers.models.transformers.transformer_wan import WanTransformer3DModel, WanTransformerBlock
 from diffusers.utils import apply_lora_scale
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_adaptiveload.geometry import tokens_of
 from lightning_adaptiveload.models.compiling import (
     check_compile_options,
     compile_blocks,
     mark_dynamic,
     whole_block_graphs,
 )
-from lightning_adaptiveload.models.flow_matching import rectified_flow_loss
-from lightning_adaptiveload.models.optim import adamw, check_optimizer_impl, clip_gradients
+from lightning_adaptiveload.models.optim import check_optimizer_impl
+from lightning_adaptiveload.models.rectified_flow import RectifiedFlowModule, check_training_arguments
+from lightning_adaptiveload.models.wan import WanConfig, checkpointing_mode, run_checkpointed
 from lightning_adaptiveload.ops import adaln
 
-__all__ = ["DiffusersWanModule", "patch_wan_transformer", "unpatch_wan_transformer"]
+__all__ = ["DiffusersWanModule", "patch_wan_transformer", "set_wan_checkpointing", "unpatch_wan_transformer"]
 
 # sha256[:16] of `inspect.getsource` of the forwards the replacements restate (diffusers 0.42.1).
 _VERIFIED_SOURCES = {
@@ -152,7 +159,15 @@ def _fused_model_forward(
     return Transformer2DModelOutput(sample=out) if return_dict else (out,)
 
 
-_FUSED_FORWARDS = {WanTransformerBlock: _fused_block_forward, WanTransformer3DModel: _fused_model_forward}
+def _block_forward(
+    self: WanTransformerBlock,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    rotary_emb: torch.Tensor,
+) -> torch.Tensor:
+    # The body and the mode are attributes, so a compiled block guards on them: one graph per mode.
+    return run_checkpointed(self._wan_body, self.checkpointing, hidden_states, encoder_hidden_states, temb, rotary_emb)
 
 
 @functools.cache
@@ -170,17 +185,36 @@ def _wan_class(module: nn.Module) -> type | None:
     index = getattr(cls, "_orig_cls_mro_index", None)  # FSDP2's fully_shard swaps in FSDP<cls>(FSDPModule, cls)
     if index is not None:
         cls = cls.__mro__[index]
-    return cls if cls in _FUSED_FORWARDS else None
+    return cls if cls in _SITES else None
+
+
+def _has_block_forward(module: nn.Module) -> bool:
+    return getattr(module.__dict__.get("forward"), "__func__", None) is _block_forward
 
 
 def _is_patched(module: nn.Module) -> bool:
-    fwd = module.__dict__.get("forward")
-    return getattr(fwd, "__func__", None) in _FUSED_FORWARDS.values()
+    if _wan_class(module) is WanTransformerBlock:
+        return getattr(module.__dict__.get("_wan_body"), "__func__", None) is _fused_block_forward
+    return getattr(module.__dict__.get("forward"), "__func__", None) is _fused_model_forward
+
+
+def _install_block_forward(block: nn.Module) -> None:
+    """Give ``block`` the per-instance :func:`_block_forward` (diffusers' body, no checkpointing) once."""
+    if _has_block_forward(block):
+        return
+    block._wan_body = types.MethodType(WanTransformerBlock.forward, block)
+    block.checkpointing = "none"
+    block.forward = types.MethodType(_block_forward, block)
+
+
+def _uninstall_block_forward(block: nn.Module) -> None:
+    for name in ("forward", "_wan_body", "checkpointing"):
+        del block.__dict__[name]
 
 
 def _skip_reason(module: nn.Module, cls: type, strict: bool) -> str | None:
     """Why ``module`` (a block or the model, of diffusers class ``cls``) cannot be patched; ``None`` if it can."""
-    if "forward" in module.__dict__:
+    if "forward" in module.__dict__ and not _has_block_forward(module):
         return (
             "its forward is already replaced (a diffusers hook: caching, group offloading, context "
             "parallelism; or another patch). Patch before enabling those"
@@ -207,9 +241,10 @@ def patch_wan_transformer(model: nn.Module, strict: bool = True) -> int:
     Patches modules of exactly type ``WanTransformerBlock`` (``norm1``, ``norm3``) and
     ``WanTransformer3DModel`` (``norm_out``), also after FSDP2's ``fully_shard`` (which swaps in a
     subclass), wherever they sit in ``model`` (a LightningModule, a pipeline's transformer, the
-    transformer itself); subclasses of them are left alone, since they may change ``forward``. Parameters, buffers and ``state_dict`` are
-    untouched; already patched modules are skipped. Modules that cannot be patched are named in
-    one warning.
+    transformer itself); subclasses of them are left alone, since they may change ``forward``. Parameters,
+    buffers and ``state_dict`` are untouched; already patched modules are skipped, and a block's
+    activation-checkpointing mode (:func:`set_wan_checkpointing`) is kept. Modules that cannot be patched
+    are named in one warning.
 
     Args:
         model: any module containing diffusers' Wan modules.
@@ -233,7 +268,11 @@ def patch_wan_transformer(model: nn.Module, strict: bool = True) -> int:
         if reason is not None:
             skipped.setdefault(f"{cls.__name__}: {reason}", []).append(module)
             continue
-        module.forward = types.MethodType(_FUSED_FORWARDS[cls], module)
+        if cls is WanTransformerBlock:
+            _install_block_forward(module)
+            module._wan_body = types.MethodType(_fused_block_forward, module)
+        else:
+            module.forward = types.MethodType(_fused_model_forward, module)
         sites += _SITES[cls]
     for reason, modules in skipped.items():
         rank_zero_warn(f"patch_wan_transformer: left {len(modules)} module(s) unfused: {reason}.")
@@ -241,30 +280,58 @@ def patch_wan_transformer(model: nn.Module, strict: bool = True) -> int:
 
 
 def unpatch_wan_transformer(model: nn.Module) -> int:
-    """Undo :func:`patch_wan_transformer` on every module of ``model``; returns the sites restored."""
+    """Undo :func:`patch_wan_transformer` on every module of ``model``; returns the sites restored.
+
+    A block keeps its per-instance forward while it checkpoints (mode other than ``"none"``)."""
     sites = 0
     for module in model.modules():
         cls = _wan_class(module)
-        if cls is not None and _is_patched(module):
+        if cls is None or not _is_patched(module):
+            continue
+        if cls is WanTransformerBlock:
+            if module.checkpointing == "none":
+                _uninstall_block_forward(module)
+            else:
+                module._wan_body = types.MethodType(WanTransformerBlock.forward, module)
+        else:
             del module.__dict__["forward"]
-            sites += _SITES[cls]
+        sites += _SITES[cls]
     return sites
 
 
-def _forward_macs(config: Mapping[str, Any], seq_len: int, text_len: int) -> int:
-    """Multiply-accumulates of one text-to-video forward of one sample (matmuls, convs, attention)."""
-    d = config["num_attention_heads"] * config["attention_head_dim"]
-    p = math.prod(config["patch_size"])
-    s, n = int(seq_len), int(text_len)
-    c_out = config["out_channels"] or config["in_channels"]
-    embed = s * config["in_channels"] * p * d  # patch embedding
-    embed += config["freq_dim"] * d + d * d + d * 6 * d  # time embedding and its 6 modulations
-    embed += n * (config["text_dim"] * d + d * d)  # text projection
-    self_attn = 4 * s * d * d + 2 * s * s * d  # q, k, v, o; q·kᵀ and attn·v
-    cross_attn = 2 * s * d * d + 2 * n * d * d + 2 * s * n * d  # q, o; k, v of the text; q·kᵀ, attn·v
-    ffn = 2 * s * d * config["ffn_dim"]
-    head = s * d * c_out * p
-    return embed + config["num_layers"] * (self_attn + cross_attn + ffn) + head
+def set_wan_checkpointing(model: nn.Module, mode: str) -> int:
+    """Make every diffusers ``WanTransformerBlock`` in ``model`` recompute as ``mode`` says, in place.
+
+    ``"none"``, ``"selective"`` (the SDPA outputs are kept, the rest of the block is recomputed:
+    :func:`~lightning_adaptiveload.models.wan.keep_attention_outputs`) or ``"full"``. The checkpoint
+    runs inside the block's forward (non-reentrant ``torch.utils.checkpoint``), so a compiled block
+    compiles it with the block, one graph per mode; switching modes later sets one attribute per block.
+    diffusers' own model-level ``gradient_checkpointing`` is turned off (it would recompute twice).
+    Works with the fused-AdaLN patch in either order.
+
+    Returns:
+        The number of blocks set.
+
+    Raises:
+        ValueError: ``mode`` is not a mode, or a block's forward is replaced by someone else (a diffusers
+            hook): set the mode before enabling such hooks.
+    """
+    mode = checkpointing_mode(mode)
+    count = 0
+    for module in model.modules():
+        if isinstance(module, ModelMixin) and getattr(module, "gradient_checkpointing", False):
+            module.disable_gradient_checkpointing()
+        if _wan_class(module) is not WanTransformerBlock:
+            continue
+        if "forward" in module.__dict__ and not _has_block_forward(module):
+            raise ValueError(
+                f"set_wan_checkpointing(mode={mode!r}): a WanTransformerBlock's forward is already replaced (a "
+                "diffusers hook: caching, group offloading, context parallelism). Set the mode before enabling those."
+            )
+        _install_block_forward(module)
+        module.checkpointing = mode
+        count += 1
+    return count
 
 
 def _mark_diffusers_block_inputs(block: nn.Module, args: tuple[Any, ...]) -> None:
@@ -284,37 +351,53 @@ def _mark_diffusers_block_inputs(block: nn.Module, args: tuple[Any, ...]) -> Non
             mark_dynamic(freqs, 1)
 
 
-class DiffusersWanModule(pl.LightningModule):
+class DiffusersWanModule(RectifiedFlowModule):
     """Trains diffusers' ``WanTransformer3DModel`` with Wan's rectified-flow objective.
 
     For clean latents ``x0`` and Gaussian ``noise``: ``u ~ U(0, 1)``, ``t = shift·u / (1 + (shift-1)·u)``,
     ``x_t = (1 - t)·x0 + t·noise``; the loss is the fp32 MSE between the prediction for
     ``(x_t, t · num_train_timesteps, context)`` and the velocity ``noise - x0``. Batches are
     ``{"latents": [B, C, F, H, W], "context": [B, L, text_dim]}`` as the project's collate builds
-    them; every batch may have its own (F, H, W).
+    them (other key names: ``batch_keys``); every batch may have its own (F, H, W), all contexts have
+    ``text_len`` tokens.
 
+    The shared machinery (draw-seeded timesteps and noise, so a resumed run has the uninterrupted run's
+    losses; the training step and its logs; AdamW and clipping; the FLOP count; the checks of the data
+    made before profiling) is :class:`~lightning_adaptiveload.models.rectified_flow.RectifiedFlowModule`'s.
     Provides the :class:`~lightning_adaptiveload.models.protocol.AdaptiveLoadModule` members
-    (``compute_loss``, ``synthetic_batch``, ``batch_shape``, ``patch_size``, ``flops_per_sample``).
+    (``compute_loss``, ``synthetic_batch``, ``batch_shape``, ``patch_size``, ``flops_per_sample``,
+    ``checkpointing``/``checkpointing_modes``/``set_checkpointing``, ``calibration_key``).
 
     Args:
         transformer: a ``WanTransformer3DModel`` (e.g. from ``from_pretrained``), or the keyword
             arguments of its constructor; then the model is built in :meth:`configure_model` (inside the
             strategy's init context) with fresh weights.
-        text_len: text tokens L per sample in :meth:`synthetic_batch` and :meth:`flops_per_sample`
-            (Wan: 512).
+        text_len: text tokens L per sample: the context length of the training data, which
+            :meth:`synthetic_batch` (profiling) and :meth:`flops_per_sample` use (Wan: 512). Checked against
+            dataset samples before profiling and against every training batch.
         lr, weight_decay, betas, eps: AdamW settings.
         timestep_shift: Wan's schedule shift (5.0 for 480p/720p video; 1.0: uniform t).
         num_train_timesteps: scale of the timestep the model sees (Wan: 1000).
-        gradient_checkpointing: diffusers' per-block activation checkpointing.
+        gradient_checkpointing: deprecated alias: ``True`` is ``activation_checkpointing="full"``.
         optimizer_impl: AdamW's implementation, ``"auto"`` (fused on CUDA with replicated parameters),
             ``"fused"`` or ``"foreach"`` (:mod:`lightning_adaptiveload.models.optim`).
         compile: compile every ``WanTransformerBlock`` with ``torch.compile`` in :meth:`configure_model`
             (regional compilation, like diffusers' ``compile_repeated_blocks``, plus what a bucketed
             corpus needs: batch and sequence sizes symbolic from the first graph, the recompile limit
             raised with hitting it an error, one graph per block under DDP; see
-            :func:`lightning_adaptiveload.models.compiling.compile_blocks`).
+            :func:`lightning_adaptiveload.models.compiling.compile_blocks`), one graph per checkpointing mode.
         compile_options: inductor options for the compiled blocks, checked against
             ``torch._inductor.config``; needs ``compile=True``.
+        activation_checkpointing: what backward recomputes in every block (:func:`set_wan_checkpointing`):
+            ``"none"`` (or ``False``), ``"selective"`` (keep the attention outputs), ``"full"`` (or ``True``),
+            or ``"auto"``: chosen per bucket by
+            :class:`~lightning_adaptiveload.callbacks.shape_benchmark.ShapeBenchmarkCallback` from measured
+            memory (without it, ``"auto"`` trains with ``"full"`` and warns). A ``transformer`` with diffusers'
+            ``enable_gradient_checkpointing()`` on counts as ``"full"`` unless this is set.
+        seed: seed of the timestep and noise draws; ``None``: the seed of ``lightning.seed_everything``, or 0.
+        warmup_steps: linear learning-rate warmup over this many optimizer steps (0: none).
+        batch_keys: the batch's key names where they differ from ours, e.g.
+            ``{"latents": "hidden_states", "context": "encoder_hidden_states"}``.
 
     Example::
 
@@ -333,10 +416,14 @@ class DiffusersWanModule(pl.LightningModule):
         eps: float = 1e-8,
         timestep_shift: float = 5.0,
         num_train_timesteps: int = 1000,
-        gradient_checkpointing: bool = False,
+        gradient_checkpointing: bool | None = None,
         optimizer_impl: str = "auto",
         compile: bool = False,
         compile_options: Mapping[str, Any] | None = None,
+        activation_checkpointing: bool | str | None = None,
+        seed: int | None = None,
+        warmup_steps: int = 0,
+        batch_keys: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__()
         cls = type(self).__name__
@@ -351,28 +438,31 @@ class DiffusersWanModule(pl.LightningModule):
                 f"`{cls}(transformer={type(transformer).__name__})` is not valid. Expected a "
                 "WanTransformer3DModel or the keyword arguments of its constructor."
             )
-        for name, value, ok, expected in (
-            ("text_len", text_len, int(text_len) == text_len and text_len >= 1, "a positive integer"),
-            ("lr", lr, lr > 0, "a positive float"),
-            ("weight_decay", weight_decay, weight_decay >= 0, "a float >= 0"),
-            ("betas", betas, len(betas) == 2 and all(0 <= b < 1 for b in betas), "two floats in [0, 1)"),
-            ("eps", eps, eps > 0, "a positive float"),
-            ("timestep_shift", timestep_shift, timestep_shift > 0, "a positive float"),
-            ("num_train_timesteps", num_train_timesteps, num_train_timesteps > 0, "a positive number"),
-        ):
-            if not ok:
-                raise ValueError(f"`{cls}({name}={value!r})` is not valid. Expected {expected}.")
+        if isinstance(text_len, bool) or not _is_int(text_len) or text_len < 1:
+            raise ValueError(f"`{cls}(text_len={text_len!r})` is not valid. Expected a positive integer.")
+        activation_checkpointing = _resolve_checkpointing(
+            cls, activation_checkpointing, gradient_checkpointing,
+            isinstance(transformer, WanTransformer3DModel) and transformer.gradient_checkpointing)
+        check_training_arguments(
+            cls, activation_checkpointing=activation_checkpointing, lr=lr, weight_decay=weight_decay, betas=betas,
+            eps=eps, warmup_steps=warmup_steps, timestep_shift=timestep_shift,
+            num_train_timesteps=num_train_timesteps, seed=seed,
+        )
+        batch_keys = _check_batch_keys(cls, batch_keys)
         model = transformer if isinstance(transformer, WanTransformer3DModel) else None
-        # hparams keep the config, not the module, so `load_from_checkpoint` rebuilds the model.
-        transformer = config
+        # hparams keep the config, not the module, so `load_from_checkpoint` rebuilds the model; the alias
+        # is resolved into activation_checkpointing.
+        transformer, gradient_checkpointing = config, None
         betas = tuple(float(b) for b in betas)
         self.save_hyperparameters()
         self.transformer_config = config
         self.patch_size: tuple[int, int, int] = tuple(int(p) for p in self._cfg("patch_size"))  # type: ignore[assignment]
-        self.transformer: WanTransformer3DModel | None = model
+        self.batch_keys.update(batch_keys or {})
+        self.transformer: WanTransformer3DModel | None = None
         self._blocks_compiled = False
-        if model is not None and gradient_checkpointing:
-            model.enable_gradient_checkpointing()
+        if model is not None:
+            self._prepare_blocks(model)
+            self.transformer = model
 
     def _cfg(self, key: str) -> Any:
         # Constructor defaults for keys the mapping leaves out.
@@ -380,27 +470,55 @@ class DiffusersWanModule(pl.LightningModule):
             return self.transformer_config[key]
         return inspect.signature(WanTransformer3DModel.__init__).parameters[key].default
 
+    @property
+    def wan_config(self) -> WanConfig:
+        """The transformer's architecture as a :class:`WanConfig` (with ``text_len``), built on first use."""
+        if getattr(self, "_wan_config", None) is None:
+            heads, head_dim = self._cfg("num_attention_heads"), self._cfg("attention_head_dim")
+            self._wan_config = WanConfig(
+                dim=heads * head_dim, ffn_dim=self._cfg("ffn_dim"), num_heads=heads,
+                num_layers=self._cfg("num_layers"), in_dim=self._cfg("in_channels"),
+                out_dim=self._cfg("out_channels") or self._cfg("in_channels"), text_dim=self._cfg("text_dim"),
+                text_len=int(self.hparams.text_len), freq_dim=self._cfg("freq_dim"),
+                patch_size=tuple(self._cfg("patch_size")),
+            )
+        return self._wan_config
+
+    def _built_model(self) -> WanTransformer3DModel | None:
+        return self.transformer
+
+    def _set_block_checkpointing(self, mode: str) -> None:
+        set_wan_checkpointing(self._require_model(), mode)
+
+    def _fused_adaln_sites(self) -> int:
+        model = self.transformer
+        return 0 if model is None else sum(_SITES[_wan_class(m)] for m in model.modules()
+                                           if _wan_class(m) is not None and _is_patched(m))
+
+    def _keys_fix(self) -> str:
+        return (f"Name the batch's keys: `{type(self).__name__}(batch_keys={{'latents': ..., 'context': ...}})` "
+                f"(now {self.batch_keys}).")
+
+    def _text_len_fix(self, length: int) -> str:
+        return (f"Set `{type(self).__name__}(text_len={length})` (model.text_len={length}) if every context has "
+                "that length, or pad the contexts to text_len in the dataset.")
+
+    def _prepare_blocks(self, model: WanTransformer3DModel) -> None:
+        set_wan_checkpointing(model, self._initial_checkpointing())
+
     @override
     def configure_model(self) -> None:
         """Build the transformer from its config once (Lightning calls this in the strategy's init context)."""
         if self.transformer is None:
-            self.transformer = WanTransformer3DModel(**self.transformer_config)
-            if self.hparams.gradient_checkpointing:
-                self.transformer.enable_gradient_checkpointing()
+            model = WanTransformer3DModel(**self.transformer_config)
+            self._prepare_blocks(model)
+            self.transformer = model
         if self.hparams.get("compile", False) and not self._blocks_compiled:
             # Lazy: the forwards that FusedAdaLNCallback patches in before the first step are traced.
             options = self.hparams.get("compile_options")
             blocks = [m for m in self.transformer.modules() if isinstance(m, WanTransformerBlock)]
             compile_blocks(blocks, _mark_diffusers_block_inputs, **({"options": dict(options)} if options else {}))
             self._blocks_compiled = True
-
-    def _require_model(self) -> WanTransformer3DModel:
-        if self.transformer is None:
-            raise RuntimeError(
-                f"`{type(self).__name__}.transformer` is not built yet. Call `configure_model()` first "
-                "(the Trainer does this in `fit`)."
-            )
-        return self.transformer
 
     @override
     def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
@@ -410,73 +528,44 @@ class DiffusersWanModule(pl.LightningModule):
         with whole_block_graphs() if self._blocks_compiled else contextlib.nullcontext():
             return model(x.to(dtype), t, context.to(dtype), return_dict=False)[0]
 
-    def compute_loss(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Rectified-flow loss (fp32 scalar) of a batch with ``latents [B,C,F,H,W]`` and ``context [B,L,D]``."""
-        if batch.get("sp_degree", 1) != 1:
-            raise NotImplementedError(
-                f"A batch has sp_degree={batch['sp_degree']!r}: `DiffusersWanModule` has no sequence-parallel "
-                "path. Plan data-parallel batches only (sp_degree 1), or train FlowMatchingModule."
+
+def _is_int(value: Any) -> bool:
+    try:
+        return int(value) == value
+    except (TypeError, ValueError):
+        return False
+
+
+def _resolve_checkpointing(cls: str, setting: bool | str | None, alias: bool | None, model_flag: bool) -> bool | str:
+    """``activation_checkpointing`` from itself, the deprecated ``gradient_checkpointing`` alias and the given
+    model's diffusers flag (each of the last two means ``"full"``); a conflict is an error."""
+    if alias is not None:
+        if not isinstance(alias, bool):
+            raise ValueError(f"`{cls}(gradient_checkpointing={alias!r})` is not valid. Expected true or false.")
+        if alias:
+            rank_zero_deprecation(
+                f"`{cls}(gradient_checkpointing=True)` is deprecated; use `activation_checkpointing='full'` (or "
+                "'selective', or 'auto' to let the shape benchmark choose per bucket)."
             )
-        return rectified_flow_loss(self, batch, self.hparams.timestep_shift, self.hparams.num_train_timesteps)
-
-    def batch_shape(self, batch: Mapping[str, torch.Tensor]) -> tuple[int, int]:
-        """``(B, S)``: samples and tokens per sample after patchify."""
-        return tokens_of(batch["latents"], self.patch_size)
-
-    def synthetic_batch(
-        self,
-        batch_size: int,
-        token_grid: Sequence[int],
-        device: torch.device | str | None = None,
-        seed: int = 0,
-    ) -> dict[str, torch.Tensor]:
-        """Random batch for token grid ``(f, h, w)``, shaped like the collated data, from its own generator.
-
-        Returns:
-            ``{"latents": [B, in_channels, f·pt, h·ph, w·pw], "context": [B, text_len, text_dim],
-            "index": LongTensor[B] of -1}``.
-        """
-        if len(token_grid) != 3 or any(int(g) != g or g < 1 for g in token_grid):
+        if setting is not None and (checkpointing_mode(setting) if setting != "auto" else "auto") != (
+                "full" if alias else "none"):
             raise ValueError(
-                f"`token_grid={tuple(token_grid)!r}` is not valid. Expected three positive integers (f, h, w)."
+                f"`{cls}(gradient_checkpointing={alias}, activation_checkpointing={setting!r})` disagree. Pass "
+                "`activation_checkpointing` only."
             )
-        if int(batch_size) != batch_size or batch_size < 1:
-            raise ValueError(f"`batch_size={batch_size!r}` is not valid. Expected a positive integer.")
-        device = self.device if device is None else torch.device(device)
-        gen = torch.Generator(device=device).manual_seed(seed)
-        shape = [int(g) * p for g, p in zip(token_grid, self.patch_size, strict=True)]
-        text = (batch_size, self.hparams.text_len, self._cfg("text_dim"))
-        return {
-            "latents": torch.randn(batch_size, self._cfg("in_channels"), *shape, device=device, generator=gen),
-            "context": torch.randn(text, device=device, generator=gen),
-            "index": torch.full((batch_size,), -1, dtype=torch.long, device=device),
-        }
+        return "full" if alias else "none" if setting is None else setting
+    if setting is None:
+        return "full" if model_flag else "none"
+    return setting
 
-    def flops_per_sample(self, seq_len: int) -> float:
-        """Model FLOPs of forward + backward of one sample of ``seq_len`` tokens (3 × the forward's).
 
-        Counts every matmul, the patch embedding and both attention products, with ``text_len`` text
-        tokens; elementwise work, recomputation by checkpointing and image conditioning are not counted.
-        """
-        names = ("num_attention_heads", "attention_head_dim", "patch_size", "in_channels", "out_channels",
-                 "freq_dim", "text_dim", "ffn_dim", "num_layers")
-        config = {k: self._cfg(k) for k in names}
-        return 3.0 * 2.0 * _forward_macs(config, seq_len, self.hparams.text_len)
-
-    @override
-    def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.compute_loss(batch)
-        self.log("train/loss", loss, prog_bar=True, batch_size=int(batch["latents"].shape[0]))
-        return loss
-
-    @override
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        hp = self.hparams
-        return adamw(self, (p for p in self.parameters() if p.requires_grad), hp.get("optimizer_impl", "auto"),
-                     lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, weight_decay=hp.weight_decay)
-
-    @override
-    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
-                                    gradient_clip_algorithm: str | None = None) -> None:
-        """Lightning's clipping, also for the fused AdamW under bf16 (:func:`~lightning_adaptiveload.models.optim.clip_gradients`)."""
-        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
+def _check_batch_keys(cls: str, keys: Mapping[str, str] | None) -> dict[str, str] | None:
+    if keys is None:
+        return None
+    if not isinstance(keys, Mapping) or not set(keys) <= {"latents", "context"} or not all(
+            isinstance(v, str) and v for v in keys.values()):
+        raise ValueError(
+            f"`{cls}(batch_keys={keys!r})` is not valid. Expected a mapping from 'latents' and/or 'context' to the "
+            "batch's key names, e.g. {'latents': 'hidden_states', 'context': 'encoder_hidden_states'}."
+        )
+    return dict(keys)

@@ -50,10 +50,26 @@ def adamw(module: Any, params: Iterable[torch.nn.Parameter], impl: str, **kwargs
 
 def clip_gradients(module: Any, optimizer: Any, gradient_clip_val: float | None,
                    gradient_clip_algorithm: str | None) -> None:
-    """Lightning's ``module.clip_gradients``, also for a fused optimizer under bf16 mixed precision."""
+    """Lightning's ``module.clip_gradients``, also for a fused optimizer under bf16 mixed precision, and
+    by the global norm under FSDP1 through the wrapper (which sums the shards' norms; Lightning's FSDP
+    precision plugin refuses norm clipping, yet the sharded model can do it).
+
+    Raises:
+        ValueError: FSDP1 with ``gradient_clip_algorithm`` other than ``"norm"``.
+    """
     from lightning.pytorch.plugins.precision import MixedPrecision, Precision
     from lightning.pytorch.utilities import GradClipAlgorithmType
+    from torch.distributed.fsdp import FullyShardedDataParallel
 
+    model = module.trainer.model
+    if gradient_clip_val and isinstance(model, FullyShardedDataParallel):
+        if gradient_clip_algorithm not in (None, "norm"):
+            raise ValueError(
+                f"`Trainer(gradient_clip_algorithm={gradient_clip_algorithm!r})` is not supported with FSDP; "
+                "use 'norm'."
+            )
+        model.clip_grad_norm_(gradient_clip_val)
+        return
     plugin = module.trainer.precision_plugin
     if (gradient_clip_val and getattr(optimizer, "_step_supports_amp_scaling", False)
             and isinstance(plugin, MixedPrecision) and plugin.scaler is None):

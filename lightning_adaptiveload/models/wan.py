@@ -55,9 +55,12 @@ __all__ = [
     "WanModel",
     "checkpointing_mode",
     "from_name_or_config",
+    "keep_attention_outputs",
     "rope_angles",
     "rope_apply",
+    "run_checkpointed",
     "sinusoidal_embedding",
+    "wan_forward_flops",
 ]
 
 
@@ -195,6 +198,34 @@ def from_name_or_config(model: str | WanConfig | Mapping[str, Any]) -> WanConfig
     )
 
 
+def wan_forward_flops(config: WanConfig, seq_len: int) -> int:
+    """FLOPs of one forward pass of a Wan 2.1 DiT for one sample of ``seq_len`` tokens.
+
+    The one count of the project, for :class:`WanModel` and for diffusers' ``WanTransformer3DModel``
+    (same matmuls). Counts every matmul (2 FLOPs per multiply-add) and nothing else (norms, RoPE,
+    activations, residuals and modulation are element-wise). With S = ``seq_len``, D = dim, F = ffn_dim,
+    L = text_len (:class:`WanModel` zero-pads the context to it), T = text_dim, P = prod(patch_size), N = num_layers::
+
+        per token, every layer:   self-attn q, k, v, o  4·2·D²   cross-attn q, o  2·2·D²   FFN  2·2·D·F
+        per token, once:          patch embedding 2·in_dim·P·D   head 2·D·out_dim·P
+        per sample, every layer:  cross-attn k, v on the text tokens 2·2·L·D²
+        per sample, once:         text MLP 2·L·(T·D + D²)   time MLP 2·(freq_dim·D + D²)   projection 2·6·D²
+        attention, every layer:   self 4·S²·D (q·kᵀ and p·v)   cross 4·S·L·D
+
+    ``torch.utils.flop_counter.FlopCounterMode`` counts the same number on either model's forward
+    (tests/models/test_flow_matching.py, tests/integrations/test_diffusers.py). Image conditioning
+    (Wan I2V's image embedder) is not counted.
+    """
+    c = config
+    d, s, n_text, p = c.dim, int(seq_len), c.text_len, math.prod(c.patch_size)
+    per_token = 2 * (c.num_layers * (6 * d * d + 2 * d * c.ffn_dim) + c.in_dim * p * d + d * c.out_dim * p)
+    per_sample = 2 * (
+        c.num_layers * 2 * n_text * d * d + n_text * (c.text_dim * d + d * d) + c.freq_dim * d + d * d + 6 * d * d
+    )
+    attention = c.num_layers * (4 * s * s * d + 4 * s * n_text * d)
+    return per_token * s + per_sample + attention
+
+
 def sinusoidal_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
     """Wan's timestep embedding ``[cos(t·ω), sin(t·ω)]`` with ``ω_i = 10000^(-i / (dim/2))``.
 
@@ -285,11 +316,27 @@ def _save_attention_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Chec
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _keep_attention_outputs() -> tuple[Any, Any]:
+def keep_attention_outputs() -> tuple[Any, Any]:
+    """``context_fn`` of ``torch.utils.checkpoint.checkpoint`` for ``"selective"`` activation checkpointing:
+    the SDPA kernels' outputs are saved, everything else in the checkpointed region is recomputed.
+    Any block whose attention runs through ``F.scaled_dot_product_attention`` can use it."""
     return create_selective_checkpoint_contexts(_save_attention_policy)
 
 
 _ATTENTION_OPS = _attention_ops()
+
+
+def run_checkpointed(fn: Any, mode: str, *args: Any) -> Any:
+    """``fn(*args)`` with activation checkpointing ``mode`` (one of :data:`CHECKPOINTING_MODES`) when
+    gradients are enabled: ``"full"`` recomputes all of ``fn`` in backward, ``"selective"`` keeps the
+    attention kernels' outputs (:func:`keep_attention_outputs`); non-reentrant ``torch.utils.checkpoint``,
+    which ``torch.compile`` traces (a block that calls this inside its compiled forward compiles one
+    graph per mode)."""
+    if mode == "none" or not torch.is_grad_enabled():
+        return fn(*args)
+    if mode == "selective":
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=keep_attention_outputs)
+    return checkpoint(fn, *args, use_reentrant=False)
 
 
 class WanRMSNorm(nn.Module):
@@ -416,14 +463,9 @@ class WanAttentionBlock(nn.Module):
 
         With ``sequence_parallel`` (the layout of :meth:`WanModel.forward`), ``x`` and ``rope`` are this
         rank's shard of the sequence."""
-        if self.checkpointing != "none" and torch.is_grad_enabled():
-            # Inside the block so that an FSDP unit wrapping it unshards once around the recompute,
-            # and a compiled block compiles the checkpoint with it (the partitioner honours the policy).
-            if self.checkpointing == "selective":
-                return checkpoint(self._forward, x, e0, context, rope, sequence_parallel, use_reentrant=False,
-                                  context_fn=_keep_attention_outputs)
-            return checkpoint(self._forward, x, e0, context, rope, sequence_parallel, use_reentrant=False)
-        return self._forward(x, e0, context, rope, sequence_parallel)
+        # Inside the block so that an FSDP unit wrapping it unshards once around the recompute,
+        # and a compiled block compiles the checkpoint with it (the partitioner honours the policy).
+        return run_checkpointed(self._forward, self.checkpointing, x, e0, context, rope, sequence_parallel)
 
     @property
     def gradient_checkpointing(self) -> bool:

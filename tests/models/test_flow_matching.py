@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-import lightning_adaptiveload.models.flow_matching as fm
+import lightning_adaptiveload.models.rectified_flow as rf
 from lightning_adaptiveload.models.flow_matching import (
     FlowMatchingModule,
     draw_seed,
@@ -253,7 +253,7 @@ def test_tokens_and_synthetic_batch():
     assert module.patch_size == (1, 2, 2)
     again = module.synthetic_batch(4, (3, 5, 7), seed=3)
     assert torch.equal(again["latents"], batch["latents"])
-    with pytest.raises(ValueError, match=r"`grid=\(3, 0, 7\)` is not valid"):
+    with pytest.raises(ValueError, match=r"synthetic_batch\(grid=\(3, 0, 7\)\)` is not valid"):
         module.synthetic_batch(4, (3, 0, 7))
 
 
@@ -366,7 +366,7 @@ class _MetricsTape(pl.Callback):
 
 def test_trainer_fit_with_changing_grids(monkeypatch, tmp_path):
     clock = iter(float(i) * 0.5 for i in range(1000))
-    monkeypatch.setattr(fm, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(rf, "perf_counter", lambda: next(clock))
     module = FlowMatchingModule("tiny", lr=1e-3)
     # Pre-collated batches (batch_size=None): an image batch and a video batch, alternating.
     grids = [(2, (1, 3, 4)), (1, (3, 2, 2))]

@@ -1,0 +1,600 @@
+"""The rectified-flow LightningModule base of :class:`~lightning_adaptiveload.models.FlowMatchingModule` and
+:class:`~lightning_adaptiveload.integrations.diffusers.DiffusersWanModule`.
+
+Both train a Wan 2.1 DiT with Wan's objective and differ only in the model they build and call, so
+everything else lives here once: argument checks, draw-seeded timesteps and noise (exact losses after a
+resume), the training step with its throughput logs, the protocol members the callbacks use
+(``compute_loss``, ``synthetic_batch``, ``batch_shape``, ``flops_per_sample``, the activation-checkpointing
+protocol, ``calibration_key``), the data checks made before the shape benchmark profiles, and AdamW with
+its clipping (:mod:`lightning_adaptiveload.models.optim`).
+
+A subclass builds its model in ``configure_model`` and provides the few members marked "subclass" below.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Callable, Mapping, Sequence
+from time import perf_counter
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+from typing_extensions import override
+
+from lightning_adaptiveload.geometry import tokens_of
+from lightning_adaptiveload.models.optim import adamw, clip_gradients, use_fused_adamw
+from lightning_adaptiveload.models.wan import (
+    CHECKPOINTING_MODES,
+    WanConfig,
+    checkpointing_mode,
+    wan_forward_flops,
+)
+
+__all__ = [
+    "OUTSIDE_STREAM",
+    "TRAIN_STREAM",
+    "RectifiedFlowModule",
+    "check_training_arguments",
+    "draw_seed",
+    "rectified_flow_loss",
+    "shift_timesteps",
+]
+
+# Streams of `draw_seed`: training steps, and calls of `compute_loss` without a generator
+# (profiling, evaluation), which must never replay or shift a training step's draws.
+TRAIN_STREAM = 0
+OUTSIDE_STREAM = 1
+
+
+def draw_seed(seed: int, step: int, rank: int, micro_batch: int = 0, stream: int = TRAIN_STREAM) -> int:
+    """64-bit seed of the timestep and noise draws of one micro-batch: a pure function of its arguments.
+
+    A hash (blake2b) of the five integers, so neighbouring steps or ranks get unrelated streams and a
+    resumed run, or a run on another number of ranks, draws exactly what the same (step, rank) drew
+    before.
+    """
+    data = struct.pack("<5q", int(seed), int(stream), int(step), int(rank), int(micro_batch))
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def shift_timesteps(u: torch.Tensor, shift: float) -> torch.Tensor:
+    """Wan's shifted schedule ``t = shift·u / (1 + (shift - 1)·u)``, mapping [0, 1] onto [0, 1].
+
+    ``shift > 1`` moves samples towards t = 1 (more noise), which high-resolution video needs
+    because neighbouring tokens are strongly correlated; ``shift = 1`` is the identity.
+    """
+    return shift * u / (1 + (shift - 1) * u)
+
+
+def rectified_flow_loss(
+    predict: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    batch: Mapping[str, torch.Tensor],
+    timestep_shift: float,
+    num_train_timesteps: float,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Wan's rectified-flow loss (fp32 scalar) of a batch with ``latents [B,C,F,H,W]`` and ``context``.
+
+    ``u ~ U(0, 1)`` shifted to ``t`` (:func:`shift_timesteps`), then Gaussian ``noise``, both from
+    ``generator`` (the global RNG when ``None``), in that order; ``x_t = (1 - t)·x0 + t·noise``; the
+    fp32 MSE of ``predict(x_t, t · num_train_timesteps, context)`` against the velocity ``noise - x0``.
+    """
+    x0 = batch["latents"].float()
+    b = x0.shape[0]
+    u = torch.rand(b, device=x0.device, generator=generator)
+    t = shift_timesteps(u, timestep_shift)
+    noise = torch.randn(x0.shape, dtype=x0.dtype, device=x0.device, generator=generator)
+    tb = t.view(b, 1, 1, 1, 1)
+    x_t = (1 - tb) * x0 + tb * noise
+    pred = predict(x_t, t * num_train_timesteps, batch["context"])
+    return F.mse_loss(pred.float(), noise - x0)
+
+
+def _holds(check: Callable[[Any], bool], value: Any) -> bool:
+    try:
+        return bool(check(value))
+    except (TypeError, ValueError):
+        return False
+
+
+# name → (check, what is expected): the training arguments both modules take.
+_ARGUMENT_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "lr": (lambda v: v > 0, "a positive float"),
+    "weight_decay": (lambda v: v >= 0, "a float >= 0"),
+    "betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two floats in [0, 1)"),
+    "eps": (lambda v: v > 0, "a positive float"),
+    "warmup_steps": (lambda v: not isinstance(v, bool) and int(v) == v and v >= 0, "an integer >= 0"),
+    "timestep_shift": (lambda v: v > 0, "a positive float"),
+    "num_train_timesteps": (lambda v: v > 0, "a positive number"),
+    "seed": (lambda v: v is None or (not isinstance(v, bool) and int(v) == v and v >= 0),
+             "a non-negative integer or None"),
+    "activation_checkpointing": (lambda v: v == "auto" or bool(checkpointing_mode(v)),
+                                 f"one of {[*CHECKPOINTING_MODES, 'auto']} or true/false"),
+}
+
+
+def check_training_arguments(owner: str, **values: Any) -> None:
+    """Check the training arguments named in ``values`` (``lr``, ``betas``, ``seed``, ...).
+
+    Raises:
+        ValueError: the first invalid one, as ``"`owner(name=value)` is not valid. Expected ..."``.
+    """
+    for name, value in values.items():
+        check, expected = _ARGUMENT_CHECKS[name]
+        if not _holds(check, value):
+            raise ValueError(f"`{owner}({name}={value!r})` is not valid. Expected {expected}.")
+
+
+def _linear_warmup(step: int, warmup_steps: int) -> float:
+    return min(1.0, (step + 1) / warmup_steps)
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as plain JSON (mappings sorted, tuples as lists, anything else as its string)."""
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
+#: How many dataset samples :meth:`RectifiedFlowModule.setup` reads (spread over the dataset) to check the
+#: batch keys and context lengths before the shape benchmark profiles.
+SAMPLES_CHECKED = 8
+
+
+class RectifiedFlowModule(pl.LightningModule):
+    """Base of the LightningModules that train a Wan DiT with Wan's rectified-flow objective.
+
+    For a clean latent ``x0`` and Gaussian ``noise``: ``u ~ U(0, 1)``, ``t = shift·u / (1 + (shift-1)·u)``,
+    ``x_t = (1 - t)·x0 + t·noise``; the loss is the fp32 MSE between the prediction for
+    ``(x_t, t · num_train_timesteps, context)`` and the velocity ``noise - x0``.
+
+    Timesteps and noise of a training micro-batch come from a ``torch.Generator`` on the batch's device
+    seeded by :func:`draw_seed` from (seed, global step, global rank, micro-batch index within the step),
+    never from the global RNG: a resumed run draws exactly what the uninterrupted run drew at every step,
+    each rank draws its own noise, and a run on another number of ranks has a well-defined stream.
+    :meth:`compute_loss` called outside ``training_step`` (profiling, evaluation) uses a separate stream
+    unless it is given a ``generator``, so it never consumes or replays a training draw.
+
+    Subclasses call :func:`check_training_arguments` and ``save_hyperparameters()`` (hparams ``lr``,
+    ``weight_decay``, ``betas``, ``eps``, ``timestep_shift``, ``num_train_timesteps``,
+    ``activation_checkpointing``, optionally ``warmup_steps``, ``seed``, ``compile``, ``compile_options``,
+    ``optimizer_impl``), build the model in ``configure_model`` and provide the members marked
+    "subclass". Batches are mappings; :attr:`batch_keys` names their latents and context.
+    """
+
+    #: What :meth:`set_checkpointing` accepts, least recomputation (most memory) first.
+    checkpointing_modes: tuple[str, ...] = CHECKPOINTING_MODES
+    #: Whether batches with ``sp_degree > 1`` are trained (through :attr:`sequence_parallel`).
+    supports_sequence_parallel: bool = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: Batch key of the latents ``[B, C, F, H, W]`` and of the context ``[B, L, text_dim]``.
+        self.batch_keys: dict[str, str] = {"latents": "latents", "context": "context"}
+        # The mode set_checkpointing last applied; None: the constructor's setting still stands.
+        self._checkpointing_mode: str | None = None
+        self._last_step_start: float | None = None
+        self._last_step_samples = 0.0
+        self._last_step_tokens = 0.0
+        # (global step, index) of the last training micro-batch: the index counts micro-batches of
+        # one optimizer step under gradient accumulation.
+        self._micro_batch: tuple[int, int] = (-1, 0)
+
+    # ------------------------------------------------------------------ subclass
+    @property
+    def wan_config(self) -> WanConfig:
+        """Subclass: the model's architecture as a :class:`WanConfig` (``text_len`` = the context length
+        the model computes with); synthetic batches and the FLOP count are built from it."""
+        raise NotImplementedError
+
+    def _built_model(self) -> nn.Module | None:
+        """Subclass: the model once ``configure_model`` has built it, else ``None``."""
+        raise NotImplementedError
+
+    def _set_block_checkpointing(self, mode: str) -> None:
+        """Subclass: make every block of the built model recompute as ``mode`` says (cheap: called per batch)."""
+        raise NotImplementedError
+
+    def _fused_adaln_sites(self) -> int:
+        """Subclass: how many AdaLN sites of the built model run through the fused op."""
+        return 0
+
+    def _context_problem(self, length: int) -> str | None:
+        """Why contexts of ``length`` tokens do not fit the model (``None`` if they do). Here: any length
+        but ``wan_config.text_len``, the length profiling and the FLOP count assume."""
+        text_len = self.wan_config.text_len
+        return None if length == text_len else f"the model is set up for text_len={text_len}"
+
+    # ------------------------------------------------------------------ model
+    def _require_model(self) -> nn.Module:
+        model = self._built_model()
+        if model is None:
+            raise RuntimeError(
+                f"The model of `{type(self).__name__}` is not built yet. Call `configure_model()` first "
+                "(the Trainer does this in `fit`)."
+            )
+        return model
+
+    # ------------------------------------------------------------------ activation checkpointing
+    @property
+    def checkpointing(self) -> str:
+        """The activation-checkpointing mode in use, or ``"auto"`` while it is still to be chosen."""
+        if self._checkpointing_mode is not None:
+            return self._checkpointing_mode
+        setting = self.hparams.activation_checkpointing
+        return "auto" if setting == "auto" else checkpointing_mode(setting)
+
+    def _initial_checkpointing(self) -> str:
+        """The mode blocks are built with: the set or configured one; ``"full"`` while ``"auto"`` is undecided
+        (the safe mode to start in)."""
+        mode = self.checkpointing
+        return "full" if mode == "auto" else mode
+
+    def set_checkpointing(self, mode: str) -> None:
+        """Make every block recompute as ``mode`` (one of :attr:`checkpointing_modes`) says.
+
+        Cheap enough to call before every batch (a per-bucket mode): an unchanged mode returns at once and
+        a change sets one attribute per block that the block's forward reads; compiled blocks compile one
+        graph per mode and reuse it on every later switch.
+        """
+        if mode not in self.checkpointing_modes:
+            raise ValueError(
+                f"`{type(self).__name__}.set_checkpointing({mode!r})` is not valid. Expected one of "
+                f"{list(self.checkpointing_modes)}."
+            )
+        if mode == self._checkpointing_mode:
+            return
+        if self._built_model() is not None:
+            self._set_block_checkpointing(mode)
+        self._checkpointing_mode = mode
+
+    @override
+    def on_fit_start(self) -> None:
+        if self.checkpointing == "auto":
+            cls = type(self).__name__
+            rank_zero_warn(
+                f"`{cls}(activation_checkpointing='auto')` needs ShapeBenchmarkCallback to choose a mode; training "
+                "with 'full'. Add the callback or set the mode ('none', 'selective', 'full')."
+            )
+            self.set_checkpointing("full")
+
+    def calibration_key(self) -> dict[str, Any]:
+        """Plain JSON values of every setting besides the architecture that changes the timed training step.
+
+        The shape benchmark's calibration key merges this dict, so a calibration profiled under other
+        values is profiled again: the context length, the activation-checkpointing setting as configured
+        (``"auto"`` or the fixed mode; an ``"auto"`` calibration records the mode it chose), ``compile``
+        and its inductor options, and the number of AdaLN sites fused by ``FusedAdaLNCallback``.
+        """
+        hp = self.hparams
+        setting = hp.activation_checkpointing
+        return _plain({
+            "text_len": self.wan_config.text_len,
+            "activation_checkpointing": "auto" if setting == "auto" else checkpointing_mode(setting),
+            "compile": bool(hp.get("compile", False)),
+            "compile_options": hp.get("compile_options") or None,
+            "fused_adaln_sites": self._fused_adaln_sites(),
+        })
+
+    # ------------------------------------------------------------------ batches
+    def _get(self, batch: Any, name: str, where: str = "a batch") -> torch.Tensor:
+        """``batch[batch_keys[name]]``, or an error naming the keys the batch has and the fix."""
+        key = self.batch_keys[name]
+        if isinstance(batch, Mapping) and key in batch:
+            return batch[key]
+        keys = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
+        raise MisconfigurationException(
+            f"`{type(self).__name__}`: {where} has no {key!r} (the {name}); it has {keys}. {self._keys_fix()}"
+        )
+
+    def _keys_fix(self) -> str:
+        return ("Return batches keyed 'latents' [B, C, F, H, W] and 'context' [B, L, text_dim] (the project's "
+                "collate does).")
+
+    def _check_context(self, context: torch.Tensor, where: str) -> int:
+        """The context's length L; an error naming ``where``, L and the model's setting if it does not fit."""
+        cls, cfg = type(self).__name__, self.wan_config
+        if context.ndim < 2 or context.shape[-1] != cfg.text_dim:
+            raise MisconfigurationException(
+                f"`{cls}`: the context of {where} has shape {list(context.shape)}; expected [..., L, "
+                f"text_dim={cfg.text_dim}] (the model's text_dim)."
+            )
+        length = int(context.shape[-2])
+        problem = self._context_problem(length)
+        if problem is not None:
+            raise MisconfigurationException(
+                f"`{cls}`: the context of {where} has L={length} tokens, but {problem}; the shape benchmark "
+                f"and the FLOP count would time and count {cfg.text_len}. {self._text_len_fix(length)}"
+            )
+        return length
+
+    def _text_len_fix(self, length: int) -> str:
+        return f"Pad or truncate the contexts to {self.wan_config.text_len} tokens in the dataset."
+
+    def check_batch(self, batch: Any, where: str = "a training batch") -> None:
+        """Check a collated batch: the latents and context keys, and the context's length and width.
+
+        Raises:
+            MisconfigurationException: naming the batch, what it holds and the fix.
+        """
+        self._get(batch, "latents", where)
+        self._check_context(self._get(batch, "context", where), where)
+
+    @override
+    def setup(self, stage: str) -> None:
+        """Before the shape benchmark profiles (``on_fit_start``): read up to :data:`SAMPLES_CHECKED`
+        samples spread over the DataModule's ``dataset``, collated one by one through its ``collate_fn``
+        (if it sets one), and check their keys and contexts (:meth:`check_batch`). With the project's
+        default collate, which stacks contexts of one length, contexts of different lengths are refused
+        here, naming the samples, rather than at the first batch that mixes them."""
+        trainer = self._trainer
+        datamodule = getattr(trainer, "datamodule", None) if trainer is not None else None
+        dataset = getattr(datamodule, "dataset", None)
+        if stage != "fit" or dataset is None or not callable(getattr(dataset, "__getitem__", None)):
+            return
+        try:
+            n = len(dataset)
+        except TypeError:
+            return
+        collate = getattr(datamodule, "collate_fn", None)
+        count = min(n, SAMPLES_CHECKED)
+        indices = sorted({round(k * (n - 1) / max(count - 1, 1)) for k in range(count)})
+        contexts = []
+        for i in indices:
+            sample = dataset[i]
+            batch = collate([sample]) if collate is not None else sample
+            where = f"dataset[{i}]" + ("" if collate is None else " (collated)")
+            self._get(batch, "latents", where)
+            contexts.append((i, where, self._get(batch, "context", where)))
+        lengths: dict[int, list[int]] = {}
+        for i, where, context in contexts:
+            if context.ndim < 2:
+                self._check_context(context, where)  # raises, naming the shape
+            lengths.setdefault(int(context.shape[-2]), []).append(i)
+        if collate is None and len(lengths) > 1:
+            found = "; ".join(f"L={length} at dataset{idx}" for length, idx in lengths.items())
+            raise MisconfigurationException(
+                f"`{type(self).__name__}`: the dataset's contexts have different lengths ({found}); the default "
+                f"collate stacks contexts of one length. Pad every context to text_len={self.wan_config.text_len} "
+                "in the dataset (as ManifestDataset and ShardedLatentDataset do), or pass "
+                "`AdaptiveLoadDataModule(collate_fn=...)` that pads them."
+            )
+        for _, where, context in contexts:
+            self._check_context(context, where)
+
+    def batch_shape(self, batch: Mapping[str, torch.Tensor]) -> tuple[int, int]:
+        """``(B, S)`` of a batch: samples, and tokens per sample after patchify of its latents ``[B,C,F,H,W]``."""
+        return tokens_of(self._get(batch, "latents"), self.patch_size)
+
+    def tokens_in_batch(self, batch: Mapping[str, torch.Tensor]) -> int:
+        """B · S of a batch: samples times tokens per sample after patchify."""
+        b, s = self.batch_shape(batch)
+        return b * s
+
+    def synthetic_batch(
+        self,
+        batch_size: int,
+        grid: Sequence[int],
+        device: torch.device | str | None = None,
+        seed: int = 0,
+    ) -> dict[str, Any]:
+        """Random batch for token grid ``(f, h, w)``, keyed and shaped like the collated data.
+
+        Uses its own generator (seeded by ``seed``), so building profiling batches leaves the
+        training RNG stream alone. ``index`` is ``-1`` to mark samples that are not from a dataset.
+
+        Returns:
+            ``{latents: [B, in_dim, f·pt, h·ph, w·pw], context: [B, text_len, text_dim], "index": LongTensor[B]}``
+            under the names of :attr:`batch_keys`.
+        """
+        try:
+            ok = len(grid) == 3 and all(int(g) == g and g >= 1 for g in grid)
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"`{type(self).__name__}.synthetic_batch(grid={tuple(grid)!r})` is not valid. Expected a "
+                             "token grid: three positive integers (f, h, w).")
+        if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
+            raise ValueError(f"`{type(self).__name__}.synthetic_batch(batch_size={batch_size!r})` is not valid. "
+                             "Expected a positive integer.")
+        device = self.device if device is None else torch.device(device)
+        gen = torch.Generator(device=device).manual_seed(seed)
+        cfg = self.wan_config
+        shape = [int(g) * p for g, p in zip(grid, self.patch_size, strict=True)]
+        return {
+            self.batch_keys["latents"]: torch.randn(batch_size, cfg.in_dim, *shape, device=device, generator=gen),
+            self.batch_keys["context"]: torch.randn(batch_size, cfg.text_len, cfg.text_dim, device=device,
+                                                    generator=gen),
+            "index": torch.full((batch_size,), -1, dtype=torch.long, device=device),
+        }
+
+    def flops_per_sample(self, seq_len: int) -> float:
+        """Model FLOPs of forward + backward for one sample of ``seq_len`` tokens: 3 × the forward.
+
+        The forward is :func:`~lightning_adaptiveload.models.wan.wan_forward_flops` of :attr:`wan_config`
+        (every matmul, attention included); backward counts as twice the forward, the usual model-FLOPs
+        convention. Recomputation under activation checkpointing is not counted.
+        """
+        return 3.0 * wan_forward_flops(self.wan_config, seq_len)
+
+    # ------------------------------------------------------------------ draws and loss
+    @property
+    def draw_seed(self) -> int:
+        """The ``seed`` argument, or the seed of ``lightning.seed_everything`` (``PL_GLOBAL_SEED``), or 0."""
+        seed = self.hparams.get("seed")
+        return int(os.environ.get("PL_GLOBAL_SEED", 0)) if seed is None else int(seed)
+
+    def sample_timesteps(
+        self,
+        batch_size: int,
+        device: torch.device | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Draw ``batch_size`` flow times in [0, 1] from Wan's shifted schedule.
+
+        From ``generator`` when given (on ``device``), else from the global RNG.
+        """
+        u = torch.rand(batch_size, device=self.device if device is None else device, generator=generator)
+        return shift_timesteps(u, self.hparams.timestep_shift)
+
+    def noise_generator(
+        self,
+        device: torch.device | str | None = None,
+        step: int | None = None,
+        rank: int | None = None,
+        micro_batch: int = 0,
+        stream: int = TRAIN_STREAM,
+    ) -> torch.Generator:
+        """A generator on ``device`` seeded by :func:`draw_seed` (step and rank default to the Trainer's)."""
+        device = self.device if device is None else torch.device(device)
+        step = self.global_step if step is None else step
+        rank = self.global_rank if rank is None else rank
+        return torch.Generator(device=device).manual_seed(
+            draw_seed(self.draw_seed, step, rank, micro_batch, stream)
+        )
+
+    def sequence_parallel_group(self, batch: Mapping[str, Any]) -> Any | None:
+        """The sequence-parallel group of a batch with ``batch["sp_degree"]`` k > 1; ``None`` for k = 1.
+
+        Raises:
+            ValueError: ``sp_degree`` is not a positive int.
+            NotImplementedError: k > 1 and this module has no sequence-parallel path.
+            RuntimeError: k > 1 and :attr:`sequence_parallel` is not set.
+        """
+        degree = batch.get("sp_degree", 1) if isinstance(batch, Mapping) else 1
+        if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+            raise ValueError(
+                f"`batch['sp_degree']={degree!r}` is not valid. Expected a positive int (1: data parallel)."
+            )
+        if degree == 1:
+            return None
+        cls = type(self).__name__
+        if not self.supports_sequence_parallel:
+            raise NotImplementedError(
+                f"A batch has sp_degree={degree}: `{cls}` has no sequence-parallel path. Plan data-parallel "
+                "batches only (sp_degree 1), or train FlowMatchingModule."
+            )
+        if getattr(self, "sequence_parallel", None) is None:
+            raise RuntimeError(
+                f"A batch has sp_degree={degree}, but `{cls}.sequence_parallel` is not set. Add "
+                "`lightning_adaptiveload.callbacks.sequence_parallel.UlyssesSequenceParallel` to the Trainer's "
+                "callbacks, or set `module.sequence_parallel = UlyssesGroups(degrees, num_heads, ranks_per_node)` "
+                "(lightning_adaptiveload.parallel.ulysses) on every rank before the first batch."
+            )
+        return self.sequence_parallel.group(degree)
+
+    @staticmethod
+    def batch_fingerprint(batch: Mapping[str, Any]) -> torch.Tensor:
+        """Shape, fp64 sums of ``latents`` and ``context``, and two sums of ``index``: equal on the ranks
+        of a sequence-parallel group when they hold the same batch (cheap: no copy of the latents)."""
+        latents, context = batch["latents"], batch["context"]
+        index = batch.get("index")
+        index = torch.zeros(1, device=latents.device) if index is None else index.to(torch.float64)
+        weights = torch.arange(1, index.numel() + 1, dtype=torch.float64, device=index.device)
+        sums = torch.stack([
+            torch.sum(latents, dtype=torch.float64),
+            torch.sum(context, dtype=torch.float64),
+            index.sum(),
+            (index.reshape(-1) * weights).sum(),
+        ])
+        shape = torch.tensor(latents.shape, dtype=torch.float64, device=latents.device)
+        return torch.cat([shape, sums])
+
+    def compute_loss(
+        self, batch: Mapping[str, torch.Tensor], generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        """Rectified-flow loss (fp32 scalar) of a batch with latents ``[B,C,F,H,W]`` and context ``[B,L,D]``.
+
+        Timesteps, then noise, are drawn from ``generator`` (on the latents' device). Without one,
+        from the stream kept apart from training (seeded by the module's seed, global step and rank),
+        so calling it (profiling) neither consumes nor disturbs any training draw or the global RNG.
+        """
+        self._require_model()
+        latents, context = self._get(batch, "latents"), self._get(batch, "context")
+        group = self.sequence_parallel_group(batch)
+        if generator is None:
+            rank = None if group is None else group.first_rank
+            generator = self.noise_generator(latents.device, rank=rank, stream=OUTSIDE_STREAM)
+        predict = self if group is None else functools.partial(self, sequence_parallel=group)
+        hp = self.hparams
+        return rectified_flow_loss(predict, {"latents": latents, "context": context}, hp.timestep_shift,
+                                   hp.num_train_timesteps, generator)
+
+    # ------------------------------------------------------------------ training
+    @override
+    def on_train_epoch_start(self) -> None:
+        # The gap across an epoch boundary (validation, loader restart) is not a training step.
+        self._last_step_start = None
+
+    @override
+    def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """The loss of the batch with this (step, rank, micro-batch)'s draws.
+
+        Logged every step: ``train/loss``; from the second step of an epoch on, ``train/tokens_per_s`` and
+        ``train/samples_per_s`` of the previous step, from this rank's wall time between the starts of
+        consecutive training steps (data loading included, host clock, no device sync).
+        """
+        start = perf_counter()
+        self.check_batch(batch)
+        samples, _ = self.batch_shape(batch)
+        group = self.sequence_parallel_group(batch)
+        degree = 1 if group is None else group.degree
+        if group is not None:
+            group.check_identical(
+                self.batch_fingerprint(batch), "latents shape, latents and context sums, index sums"
+            )
+        if self._last_step_start is not None:
+            elapsed = start - self._last_step_start
+            self.log("train/tokens_per_s", self._last_step_tokens / elapsed, batch_size=samples)
+            self.log("train/samples_per_s", self._last_step_samples / elapsed, batch_size=samples)
+        self._last_step_start = start
+        # A rank of a sequence-parallel group processes 1/k of the batch's tokens.
+        self._last_step_samples = samples / degree
+        self._last_step_tokens = self.tokens_in_batch(batch) / degree
+        step, index = self._micro_batch
+        index = index + 1 if step == self.global_step else 0
+        self._micro_batch = (self.global_step, index)
+        rank = None if group is None else group.first_rank
+        generator = self.noise_generator(self._get(batch, "latents").device, rank=rank, micro_batch=index)
+        loss = self.compute_loss(batch, generator=generator)
+        self.log("train/loss", loss, prog_bar=True, batch_size=samples)
+        # The gradients of a group's k ranks sum to the gradient of `loss`; the data-parallel average
+        # divides by all W ranks, so k × gives the batch the weight k/W of k ranks.
+        return loss * degree if degree > 1 else loss
+
+    # ------------------------------------------------------------------ optimizer
+    @property
+    def fused_optimizer(self) -> bool:
+        """Whether :meth:`configure_optimizers` builds a fused AdamW (see ``optimizer_impl``)."""
+        return use_fused_adamw(self, self.hparams.get("optimizer_impl", "auto"))
+
+    @override
+    def configure_optimizers(self) -> Any:
+        """AdamW (fused when safe, :func:`~lightning_adaptiveload.models.optim.adamw`) with a linear
+        learning-rate warmup over ``warmup_steps`` optimizer steps when that is > 0."""
+        hp = self.hparams
+        optimizer = adamw(self, (p for p in self.parameters() if p.requires_grad), hp.get("optimizer_impl", "auto"),
+                          lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, weight_decay=hp.weight_decay)
+        warmup = int(hp.get("warmup_steps", 0))
+        if warmup == 0:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(_linear_warmup, warmup_steps=warmup))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    @override
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Lightning's clipping, also for a fused AdamW under bf16 and by the global norm under FSDP1
+        (:func:`~lightning_adaptiveload.models.optim.clip_gradients`)."""
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
