@@ -161,6 +161,8 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         # until Lightning names the epoch it runs the restored sampler epoch under.
         self._epoch_offset: int | None = 0
         self._resume_epoch = 0
+        self._empty_epoch = False  # the next train iteration yields nothing (see `_resume`)
+        self._epoch_before = False  # the first epoch Lightning names after a restore is that empty one
         self._drawn = False
         self._printed = False
         # (token grid, batch size) the sampler planned for the first batches, checked on arrival.
@@ -279,7 +281,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         self._printed = False
         if stage == "fit":
             # A new fit starts on Lightning's epochs; a checkpoint restored after this sets its own.
-            self._restored, self._epoch_offset = False, 0
+            self._restored, self._epoch_offset, self._empty_epoch = False, 0, False
             self._planned.clear()
             self._checks_left = _FIRST_BATCH_CHECKS
             self._check_collate()
@@ -316,7 +318,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         sampler = self.sampler
         trainer = self.trainer
         if trainer is not None:
-            if self._restored:
+            if self._restored or (getattr(trainer, "ckpt_path", None) is not None and _mid_epoch(trainer)):
                 self._restored = False
                 self._resume(sampler, trainer)
             elif self._epoch_offset is not None:
@@ -362,9 +364,8 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         """Put the sampler where the restored fit loop continues: mid-epoch at the step it trained to,
         or at the start of the next epoch. Anything else is an error, never a silent restart of the plan."""
         state, self._pending_state = self._pending_state, None
-        batches = trainer.fit_loop.epoch_loop.batch_progress
-        trained = int(batches.current.processed)
-        mid_epoch = trained > 0 and not batches.is_last_batch
+        trained = int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+        mid_epoch = _mid_epoch(trainer)
         where = self._where()
         if state is None:
             if mid_epoch:
@@ -394,6 +395,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
                 f"but the checkpoint's loop trained {trained} batches of its epoch; the state does not belong to this "
                 "checkpoint."
             )
+        self._empty_epoch = False
         if mid_epoch:
             self._load_sampler_state(sampler, state)
             if len(sampler) > sampler.steps_taken:
@@ -406,12 +408,23 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             # from the data and settings of this run (which may differ from the checkpoint's).
             self._resume_epoch = epoch + 1 if trained else epoch
             sampler.set_epoch(self._resume_epoch)
-        self._epoch_offset = None  # found when Lightning names the epoch it runs this one under
+            epochs = trainer.fit_loop.epoch_progress.current
+            # A checkpoint written in on_train_epoch_end of a finished epoch, resumed with `max_steps`:
+            # Lightning restarts that epoch after its last batch and (waiting for a validation that never
+            # runs) trains one more batch in it. That batch would be the next epoch's first, trained under
+            # the wrong epoch; an empty iteration ends Lightning's epoch where the run without a restart did.
+            self._empty_epoch = bool(trained and trainer.fit_loop.restarting and epochs.processed == epochs.started)
+        # Found when Lightning names the epoch it runs the resumed one under; the empty epoch (whose
+        # iteration may already have run, in the workers' prefetch) runs under the one before.
+        self._epoch_offset, self._epoch_before = None, self._empty_epoch
 
     def _set_trainer_epoch(self, epoch: int) -> None:
         """Lightning's ``set_epoch`` (every epoch, on the loader): its epoch mapped onto the sampler's."""
         if self._epoch_offset is None:
-            self._epoch_offset = int(epoch) - self._resume_epoch
+            # The first epoch after a restore: the sampler is where `_resume` put it. An empty epoch runs
+            # under the Lightning epoch before the one that maps to it.
+            self._epoch_offset = int(epoch) + int(self._epoch_before) - self._resume_epoch
+            return
         self.sampler.set_epoch(int(epoch) - self._epoch_offset)
 
     def _load_sampler_state(self, sampler: AdaptiveBucketBatchSampler, state: dict[str, Any]) -> None:
@@ -447,6 +460,12 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             trainer.fit_loop._combined_loader = None
 
 
+def _mid_epoch(trainer: pl.Trainer) -> bool:
+    """The fit loop (as restored) continues an epoch part-way: some of its batches trained, not the last."""
+    batches = trainer.fit_loop.epoch_loop.batch_progress
+    return batches.current.processed > 0 and not batches.is_last_batch
+
+
 class _AdaptiveLoadDataLoader(DataLoader):
     """A DataLoader that Lightning treats as resumable.
 
@@ -479,6 +498,9 @@ class _TrackedBatchSampler:
 
     def __iter__(self):
         dm = self._datamodule
+        if dm._empty_epoch:
+            dm._empty_epoch = False
+            return
         shapes = dm.shapes
         for batch in self.batch_sampler:
             dm._drawn = True
