@@ -222,31 +222,60 @@ def _checkpoint_step(path: Path) -> int | None:
     """The ``global_step`` a Lightning checkpoint was saved at (memory-mapped: tensors are not read)."""
     import torch
 
+    given = path
     if path.is_dir():  # a sharded checkpoint keeps the loop state in meta.pt
         path = path / "meta.pt"
         if not path.is_file():
             return None
     try:
-        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except RuntimeError:  # not the zip format, which mmap needs
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        try:
+            checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        except RuntimeError as err:
+            if "mmap can only be used" not in str(err):
+                raise
+            checkpoint = torch.load(path, map_location="cpu", weights_only=False)  # not the zip format mmap needs
+    except Exception as err:  # noqa: BLE001 - truncated, corrupt or not a checkpoint: one line naming the file
+        cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(
+            f"ckpt_path={given}: cannot read the checkpoint ({type(err).__name__}: {cause.split('. ')[0]}); the file is "
+            "truncated or corrupt (e.g. the run was killed while saving it). Resume from another checkpoint, e.g. "
+            f"an earlier one in {given.parent}, or leave ckpt_path out to start a new run."
+        ) from None
     step = checkpoint.get("global_step") if isinstance(checkpoint, dict) else None
     return None if step is None else int(step)
 
 
 def check_resume_has_steps_left(cfg: DictConfig) -> None:
-    """Raise ``ConfigError`` when the checkpoint already reached ``trainer.max_steps`` (0 steps would run)."""
+    """Raise ``ConfigError`` when the checkpoint cannot be read, or already reached ``trainer.max_steps``
+    (0 steps would run)."""
     path = _local_ckpt_path(cfg)
-    max_steps = cfg.get("trainer", {}).get("max_steps", -1)
-    if path is None or max_steps is None or max_steps < 0:
+    if path is None:
         return
     step = _checkpoint_step(path)
-    if step is None or step < max_steps:
+    max_steps = cfg.get("trainer", {}).get("max_steps", -1)
+    if step is None or max_steps is None or max_steps < 0 or step < max_steps:
         return
     raise ConfigError(
         f"ckpt_path={path} was saved at step {step} and trainer.max_steps={max_steps}: that run is finished "
         f"and resuming it would train 0 steps. To train on, raise the limit, e.g. "
         f"`adaptiveload-train ckpt_path={path} trainer.max_steps={step + max(max_steps, 1)}`."
+    )
+
+
+def check_accelerator(cfg: DictConfig) -> None:
+    """Raise ``ConfigError`` when the run asks for a GPU that this machine does not have (before the
+    model is built: a GPU recipe's model takes minutes and tens of GB to build on a CPU)."""
+    accelerator = str((cfg.get("trainer") or {}).get("accelerator", "auto"))
+    if accelerator not in ("gpu", "cuda"):
+        return
+    import torch
+
+    if torch.cuda.is_available() or (accelerator == "gpu" and torch.backends.mps.is_available()):
+        return
+    raise ConfigError(
+        f"trainer.accelerator={accelerator}, but this machine has no GPU that torch {torch.__version__} can use "
+        "(torch.cuda.is_available() is False). To run on CPU add `trainer=cpu` (with a model that fits a CPU, "
+        "e.g. `trainer=cpu model=tiny strategy=auto`), or run on a machine with a GPU and a CUDA build of torch."
     )
 
 
@@ -377,6 +406,7 @@ def build(cfg: DictConfig) -> Run:
     from lightning_adaptiveload.callbacks.shape_benchmark import ShapeBenchmarkCallback
 
     check_resume_has_steps_left(cfg)
+    check_accelerator(cfg)
     if cfg.get("seed") is not None:
         # Also the seed of FlowMatchingModule's timestep and noise draws (it reads it from here).
         pl.seed_everything(cfg.seed, workers=True)

@@ -319,3 +319,69 @@ def test_compile_options_from_the_command_line(tmp_path):
     module = instantiate(cfg.model)
     assert module.hparams.compile_options == {"triton.mix_order_reduction_non_strict_mode": True}
     assert instantiate(_compose(["model=tiny"], tmp_path).model).hparams.compile_options is None
+
+
+def _logged_losses(out: Path) -> dict[int, str]:
+    """``train/loss`` by step from every CSV the runs under ``out`` logged (text, so equality is bit-exact)."""
+    import csv
+
+    losses: dict[int, str] = {}
+    for path in sorted(out.glob("logs/version_*/metrics.csv")):
+        with open(path) as fh:
+            for row in csv.DictReader(fh):
+                if row.get("train/loss"):
+                    losses[int(row["step"])] = row["train/loss"]
+    return losses
+
+
+def test_readme_resume_from_last_ckpt_at_max_steps_logs_the_same_losses(tmp_path):
+    # The README quickstart resume: max_steps stops part-way through an epoch, last.ckpt is saved, and the
+    # resumed run crosses epoch boundaries. 96 samples: a few steps an epoch.
+    # One calibration cache: both runs train the policy the first profile fitted (timings vary run to run).
+    common = ["data.dataset.num_samples=96", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
+              "callbacks.shape_benchmark.max_shapes=2", "callbacks.shape_benchmark.batch_sizes=[1,2]",
+              "callbacks.shape_benchmark.repeats=1", "callbacks.shape_benchmark.warmup=0",
+              f"callbacks.shape_benchmark.cache_dir={tmp_path / 'cache'}"]
+
+    def run(out: Path, *overrides: str) -> None:
+        cfg = _compose([*common, *overrides], out)
+        with open_dict(cfg):
+            cfg.callbacks.shape_benchmark.cache_dir = str(tmp_path / "cache")
+        train(cfg)
+
+    run(tmp_path / "full", "trainer.max_steps=16")
+    for stop in (7, 8):  # the epoch length follows the fitted policy: stop part-way through an epoch
+        out = tmp_path / f"resumed{stop}"
+        run(out, f"trainer.max_steps={stop}")
+        ckpt = out / "checkpoints" / "last.ckpt"
+        loops = torch.load(ckpt, weights_only=False)["loops"]["fit_loop"]
+        if not loops["epoch_loop.batch_progress"]["is_last_batch"]:
+            break
+    assert loops["epoch_progress"]["current"]["processed"] >= 2  # saved after Lightning counted the epoch
+    run(out, "trainer.max_steps=16", f"ckpt_path={ckpt}")
+    want, got = _logged_losses(tmp_path / "full"), _logged_losses(out)
+    assert len(want) == 16 and got == want
+
+
+def test_console_script_names_a_truncated_checkpoint_in_one_line(tmp_path):
+    ckpt = tmp_path / "last.ckpt"
+    torch.save({"global_step": 3, "state_dict": {"w": torch.zeros(4096)}}, ckpt)
+    ckpt.write_bytes(ckpt.read_bytes()[: ckpt.stat().st_size // 2])
+    command = [sys.executable, "-m", "lightning_adaptiveload.train", f"ckpt_path={ckpt}", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr
+    assert lines[0].startswith(f"adaptiveload-train: ckpt_path={ckpt}: cannot read the checkpoint (")
+    assert "truncated or corrupt" in lines[0] and f"an earlier one in {tmp_path}" in lines[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_gpu_recipe_without_a_gpu_says_to_add_trainer_cpu(tmp_path):
+    command = [sys.executable, "-m", "lightning_adaptiveload.train", "experiment=wan2_1_1_3b_480p",
+               f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("adaptiveload-train: trainer.accelerator=gpu, but this machine has no GPU")
+    assert "add `trainer=cpu`" in lines[0]
