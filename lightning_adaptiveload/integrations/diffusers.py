@@ -334,21 +334,35 @@ def set_wan_checkpointing(model: nn.Module, mode: str) -> int:
     return count
 
 
-def _mark_diffusers_block_inputs(block: nn.Module, args: tuple[Any, ...]) -> None:
+def _unviewed(freqs: Any) -> Any:
+    # detach() gives the same storage without the view's base (no copy); RoPE tables need no gradient.
+    if isinstance(freqs, torch.Tensor) and freqs._base is not None and not freqs.requires_grad:
+        return freqs.detach()
+    return freqs
+
+
+def _mark_diffusers_block_inputs(block: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """Pre-hook of a compiled ``WanTransformerBlock`` called as ``block(hidden_states [B, S, D],
     encoder_hidden_states [B, L, D], temb [B, 6, D] or [B, S, 6, D], rotary_emb ([1, S, 1, d], ...))``:
-    B and S symbolic."""
+    B and S symbolic.
+
+    It also hands the block RoPE tables that are not views: diffusers' tables are views of a
+    ``[F, H, W, d]`` tensor, dynamo guards on a view input's base, and under activation checkpointing a
+    graph compiled for video then guarded F >= 2, so images (F = 1) compiled one more graph per mode.
+    """
     if len(args) < 4 or not isinstance(args[0], torch.Tensor) or args[0].ndim != 3:
-        return
+        return None
     hidden, context, temb, rotary = args[:4]
     mark_dynamic(hidden, 0, 1)
     if isinstance(context, torch.Tensor):
         mark_dynamic(context, 0)
     if isinstance(temb, torch.Tensor):
         mark_dynamic(temb, *((0, 1) if temb.ndim == 4 else (0,)))
+    rotary = type(rotary)(_unviewed(f) for f in rotary) if isinstance(rotary, (tuple, list)) else _unviewed(rotary)
     for freqs in rotary if isinstance(rotary, (tuple, list)) else (rotary,):
         if isinstance(freqs, torch.Tensor) and freqs.ndim >= 2:
             mark_dynamic(freqs, 1)
+    return (hidden, context, temb, rotary, *args[4:])
 
 
 class DiffusersWanModule(RectifiedFlowModule):

@@ -376,3 +376,295 @@ def test_compile_arguments_are_checked():
         DiffusersWanModule(dict(TINY), compile_options={"max_autotune": True})
     with pytest.raises(ValueError, match="'max_autotun' is not an inductor option"):
         DiffusersWanModule(dict(TINY), compile=True, compile_options={"max_autotun": True})
+
+
+# ---------------------------------------------------------------------- activation checkpointing
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts ATen calls by name (forward and backward, recomputation included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _attention_calls(counts: dict[str, int]) -> int:
+    return sum(n for name, n in counts.items() if name.startswith("_scaled_dot_product") and "backward" not in name)
+
+
+def _loss_and_grads(module, batch):
+    module.zero_grad(set_to_none=True)
+    loss = module.compute_loss(batch, torch.Generator().manual_seed(3))
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in module.named_parameters()}
+
+
+def _double(batch):
+    return {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["diffusers_forward", "fused_adaln"])
+def test_checkpointing_modes_give_the_gradients_of_none_and_recompute_what_they_say(patched):
+    torch.manual_seed(0)
+    module = DiffusersWanModule(dict(TINY), text_len=3)
+    module.configure_model()
+    module.double()
+    if patched:
+        assert patch_wan_transformer(module) == SITES
+    blocks = list(module.transformer.blocks)
+    forwards = [b.forward for b in blocks]
+    batch = _double(module.synthetic_batch(2, (2, 2, 3)))
+    want_loss, want_grads = _loss_and_grads(module, batch)
+    layers = TINY["num_layers"]
+    # Switching back and forth between steps, as the shape benchmark does per bucket.
+    for mode, attention_runs, ffn_runs in (("selective", 1, 2), ("full", 2, 2), ("none", 1, 1), ("selective", 1, 2)):
+        module.set_checkpointing(mode)
+        assert module.checkpointing == mode and {b.checkpointing for b in blocks} == {mode}
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION), _CountOps() as ops:
+            loss, grads = _loss_and_grads(module, batch)
+        # Self- and cross-attention per block; selective keeps their outputs, full runs them again.
+        assert _attention_calls(ops.counts) == attention_runs * 2 * layers, mode
+        # gelu: once per block forward and once more per recompute, plus the text embedder's.
+        assert ops.counts["gelu"] == ffn_runs * layers + 1, mode
+        assert torch.equal(loss, want_loss), mode
+        for name, g in grads.items():
+            torch.testing.assert_close(g, want_grads[name], rtol=1e-12, atol=1e-14, msg=f"{mode} {name}")
+    # Switching sets an attribute: the blocks keep the forward they had (nothing is re-wrapped).
+    assert all(b.forward is f for b, f in zip(blocks, forwards, strict=True))
+    with pytest.raises(ValueError, match=r"set_checkpointing\('some'\)` is not valid"):
+        module.set_checkpointing("some")
+
+
+def test_compiled_blocks_compile_one_graph_per_checkpointing_mode(monkeypatch):
+    import torch._dynamo.testing
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    module = _compiled_module(monkeypatch, counter, activation_checkpointing="none")
+    ref = DiffusersWanModule(dict(TINY), text_len=3)
+    ref.configure_model()
+    ref.transformer.load_state_dict(module.transformer.state_dict())
+    plan = [("none", (2, 2, 3)), ("selective", (1, 4, 4)), ("full", (2, 2, 3)), ("none", (3, 2, 3)),
+            ("selective", (2, 2, 3)), ("full", (1, 4, 4)), ("none", (1, 4, 4))]
+    for mode, grid in plan:
+        module.set_checkpointing(mode)
+        ref.set_checkpointing(mode)
+        batch = module.synthetic_batch(2, grid)
+        loss, grads = _loss_and_grads(module, batch)
+        want_loss, want_grads = _loss_and_grads(ref, batch)
+        torch.testing.assert_close(loss, want_loss, rtol=0, atol=1e-6)
+        for name, g in grads.items():
+            torch.testing.assert_close(g, want_grads[name], rtol=1e-5, atol=1e-7, msg=f"{mode} {name}")
+    # One graph per mode, shared by both blocks and every token count, images (F = 1) included;
+    # switching back reuses it.
+    assert counter.frame_count == 3
+
+
+def test_auto_checkpointing_without_the_shape_benchmark_trains_full_and_warns(tmp_path):
+    dataset = SyntheticMixedDataset(8, "tiny", latent_channels=4, text_len=3, text_dim=8, seed=0)
+    dm = AdaptiveLoadDataModule(dataset, DualConstraintPolicy(m_mem=128, m_comp=128 * 64, p=2), seed=0)
+    module = DiffusersWanModule(dict(TINY), text_len=3, activation_checkpointing="auto")
+    assert module.checkpointing == "auto"
+    module.configure_model()
+    assert module.checkpointing == "auto" and {b.checkpointing for b in module.transformer.blocks} == {"full"}
+    with pytest.warns(UserWarning, match=r"DiffusersWanModule\(activation_checkpointing='auto'\)` needs ShapeBenchmark"):
+        _trainer(tmp_path, max_steps=1).fit(module, datamodule=dm)
+    assert module.checkpointing == "full"
+
+
+def test_gradient_checkpointing_is_a_deprecated_alias_of_full():
+    from lightning.pytorch.utilities.rank_zero import LightningDeprecationWarning
+
+    with pytest.warns(LightningDeprecationWarning, match="use `activation_checkpointing='full'`"):
+        module = DiffusersWanModule(dict(TINY), gradient_checkpointing=True)
+    assert module.checkpointing == "full" and module.hparams.activation_checkpointing == "full"
+    assert module.hparams.gradient_checkpointing is None
+    assert DiffusersWanModule(**module.hparams).checkpointing == "full"  # hparams rebuild it without the alias
+    assert DiffusersWanModule(dict(TINY), gradient_checkpointing=False).checkpointing == "none"  # old hparams
+    with pytest.raises(ValueError, match=r"gradient_checkpointing=True, activation_checkpointing='none'\)` disagree"):
+        DiffusersWanModule(dict(TINY), gradient_checkpointing=True, activation_checkpointing="none")
+    # A model with diffusers' own checkpointing on: full inside the blocks, the model-level pass off
+    # (it would recompute every block twice).
+    model = _tiny()
+    model.enable_gradient_checkpointing()
+    module = DiffusersWanModule(model, text_len=3)
+    assert module.checkpointing == "full" and not model.gradient_checkpointing
+    assert {b.checkpointing for b in model.blocks} == {"full"}
+    assert DiffusersWanModule(_tiny(), activation_checkpointing="selective").checkpointing == "selective"
+    with pytest.raises(ValueError, match=r"activation_checkpointing='some'\)` is not valid. Expected one of"):
+        DiffusersWanModule(dict(TINY), activation_checkpointing="some")
+
+
+# ---------------------------------------------------------------------- resume, data checks, calibration key
+class _LossTape(pl.Callback):
+    def __init__(self):
+        self.losses = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses[trainer.global_step] = outputs["loss"].item()
+
+
+class _Profiled(pl.Callback):
+    """Stands in for the shape benchmark: records that fit reached ``on_fit_start`` (where it profiles)."""
+
+    def __init__(self):
+        self.reached = False
+
+    def on_fit_start(self, trainer, pl_module):
+        self.reached = True
+
+
+def _trainer(tmp_path, max_steps, callbacks=(), checkpoint_every=None):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    callbacks = list(callbacks)
+    if checkpoint_every:
+        callbacks.append(ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=checkpoint_every, save_top_k=-1,
+                                         filename="{step}"))
+    return pl.Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=max_steps, logger=False,
+        enable_checkpointing=bool(checkpoint_every), enable_progress_bar=False, enable_model_summary=False,
+        callbacks=callbacks,
+    )
+
+
+def _datamodule(dataset=None, **kwargs):
+    dataset = dataset or SyntheticMixedDataset(24, "tiny", latent_channels=4, text_len=3, text_dim=8, seed=0)
+    return AdaptiveLoadDataModule(dataset, DualConstraintPolicy(m_mem=128, m_comp=128 * 64, p=2), seed=0, **kwargs)
+
+
+def _fit_losses(tmp_path, max_steps, ckpt_path=None, checkpoint_every=None):
+    module = DiffusersWanModule(dict(TINY), text_len=3, lr=1e-3, seed=0, activation_checkpointing="selective")
+    tape = _LossTape()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _trainer(tmp_path, max_steps, [tape], checkpoint_every).fit(module, datamodule=_datamodule(),
+                                                                    ckpt_path=ckpt_path)
+    return tape.losses
+
+
+def test_resumed_run_has_the_uninterrupted_loss_at_every_step(tmp_path):
+    pl.seed_everything(0)
+    full = _fit_losses(tmp_path / "full", max_steps=8, checkpoint_every=4)
+    assert len(full) == 8
+    # Another global RNG state in the resumed run: the draws are keyed by (seed, step, rank), not by it.
+    torch.manual_seed(99)
+    resumed = _fit_losses(tmp_path / "resumed", max_steps=8, ckpt_path=tmp_path / "full" / "step=4.ckpt")
+    assert sorted(resumed) == [5, 6, 7, 8]
+    assert {s: full[s] for s in resumed} == resumed  # exactly equal, not close
+
+
+class _Wrapped(torch.utils.data.Dataset):
+    """A dataset whose samples are changed by ``edit(index, sample)``; everything else is the base's."""
+
+    def __init__(self, base, edit):
+        self.base, self.edit = base, edit
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, index):
+        return self.edit(index, dict(self.base[index]))
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["base"], name)
+
+
+def _fit_refused(tmp_path, module, datamodule, match):
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    profiled = _Profiled()
+    with pytest.raises(MisconfigurationException, match=match):
+        _trainer(tmp_path, 1, [profiled]).fit(module, datamodule=datamodule)
+    assert not profiled.reached  # refused before the shape benchmark would profile
+
+
+def test_text_len_is_checked_against_the_data_before_profiling_and_in_every_batch(tmp_path):
+    module = DiffusersWanModule(dict(TINY), text_len=5)  # the data has 3 context tokens
+    _fit_refused(tmp_path, module, _datamodule(),
+                 r"context of dataset\[0\] has L=3 tokens, but the model is set up for text_len=5.*"
+                 r"Set `DiffusersWanModule\(text_len=3\)`")
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    module = DiffusersWanModule(dict(TINY), text_len=3)
+    batch = module.synthetic_batch(2, (1, 2, 2))
+    batch["context"] = torch.zeros(2, 4, TINY["text_dim"])
+    with pytest.raises(MisconfigurationException, match=r"a training batch has L=4 tokens, but .*text_len=3"):
+        module.training_step(batch, 0)
+    batch["context"] = torch.zeros(2, 3, TINY["text_dim"] + 1)
+    with pytest.raises(MisconfigurationException, match=r"shape \[2, 3, 9\]; expected \[..., L, text_dim=8\]"):
+        module.training_step(batch, 0)
+
+
+def test_contexts_of_different_lengths_are_refused_before_profiling(tmp_path):
+    base = SyntheticMixedDataset(24, "tiny", latent_channels=4, text_len=3, text_dim=8, seed=0)
+    varying = _Wrapped(base, lambda i, s: {**s, "context": s["context"][: 2 + i % 2]})
+    _fit_refused(tmp_path, DiffusersWanModule(dict(TINY), text_len=3), _datamodule(varying),
+                 r"contexts have different lengths \(L=2 at dataset\[0, .*\]; L=3 at dataset\[.*\]\).*"
+                 r"Pad every context to text_len=3")
+
+
+def _renamed(samples):
+    from lightning_adaptiveload.data.collate import collate_batch
+
+    batch = collate_batch(samples)
+    return {"hidden_states": batch["latents"], "encoder_hidden_states": batch["context"], "index": batch["index"]}
+
+
+def test_batch_keys_are_configurable_and_other_keys_are_refused_before_profiling(tmp_path):
+    _fit_refused(tmp_path / "refused", DiffusersWanModule(dict(TINY), text_len=3), _datamodule(collate_fn=_renamed),
+                 r"dataset\[0\] \(collated\) has no 'latents' \(the latents\); it has \['encoder_hidden_states', "
+                 r"'hidden_states', 'index'\]. Name the batch's keys: `DiffusersWanModule\(batch_keys=")
+    keys = {"latents": "hidden_states", "context": "encoder_hidden_states"}
+    module = DiffusersWanModule(dict(TINY), text_len=3, batch_keys=keys)
+    assert sorted(module.synthetic_batch(1, (1, 1, 1))) == ["encoder_hidden_states", "hidden_states", "index"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _trainer(tmp_path / "trained", 2).fit(module, datamodule=_datamodule(collate_fn=_renamed))
+    assert module.trainer.global_step == 2
+    with pytest.raises(ValueError, match=r"batch_keys=\{'noise': 'x'\}\)` is not valid"):
+        DiffusersWanModule(dict(TINY), batch_keys={"noise": "x"})
+
+
+def test_calibration_key_changes_with_every_setting_that_changes_the_timed_step():
+    import json
+
+    def key(**kwargs):
+        return DiffusersWanModule(dict(TINY), **{"text_len": 3, **kwargs}).calibration_key()
+
+    base = key()
+    assert json.loads(json.dumps(base)) == base  # plain JSON values
+    changes = {
+        "text_len": {"text_len": 4},
+        "compile": {"compile": True},
+        "compile_options": {"compile": True, "compile_options": {"max_autotune": True}},
+        "activation_checkpointing": {"activation_checkpointing": "selective"},
+    }
+    for field, kwargs in changes.items():
+        other = key(**kwargs)
+        assert other[field] != base[field], field
+    assert key(compile=True)["compile_options"] != key(compile=True, compile_options={"max_autotune": True})[
+        "compile_options"]
+    assert key(activation_checkpointing="auto")["activation_checkpointing"] == "auto"
+    assert key(activation_checkpointing=True)["activation_checkpointing"] == "full"
+    # Settings that do not change the timed step leave it alone.
+    assert key(lr=1e-2, seed=3, timestep_shift=1.0, optimizer_impl="foreach") == base
+    # The fused AdaLN patch (FusedAdaLNCallback) changes the step.
+    module = DiffusersWanModule(_tiny(), text_len=3, activation_checkpointing="auto")
+    unfused = module.calibration_key()
+    patch_wan_transformer(module)
+    assert module.calibration_key()["fused_adaln_sites"] == SITES != unfused["fused_adaln_sites"]
+    # The mode chosen at run time is not a setting: "auto" stays "auto".
+    module.set_checkpointing("none")
+    assert module.calibration_key()["activation_checkpointing"] == "auto"
+
+
+def test_from_pretrained_works_with_the_diffusers_extra(tmp_path):
+    # `pip install ".[diffusers]"` brings accelerate, which from_pretrained's default low-memory load needs.
+    pytest.importorskip("accelerate")
+    _tiny().save_pretrained(tmp_path)
+    module = DiffusersWanModule(WanTransformer3DModel.from_pretrained(tmp_path), text_len=3)
+    assert module.compute_loss(module.synthetic_batch(1, (1, 2, 2))).isfinite()
