@@ -148,6 +148,7 @@ def _instantiate(node: DictConfig, path: str, **kwargs: Any) -> Any:
 # What a required value is and an example of it, for the error message.
 _REQUIRED_HINTS = {
     "data.dataset.path": ("a JSONL / CSV / Parquet manifest", "/data/train.jsonl"),
+    "bucketing.policy.batch_sizes": ("{S: B}, the batch size of each sequence length", "'{1560: 16, 7800: 4}'"),
     "bucketing.policy.cost_model_path": (
         "a CostModel JSON, or the shape benchmark's calibration JSON",
         "outputs/.../shape_benchmark.json",

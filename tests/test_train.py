@@ -66,6 +66,8 @@ def test_every_choice_composes_and_instantiates(group, choice, tmp_path):
         cm = CostModel.fit(b.ravel(), sl.ravel(), t.ravel(), form="quadratic")
         (tmp_path / "cm.json").write_text(cm.to_json())
         overrides.append(f"bucketing.policy.cost_model_path={tmp_path / 'cm.json'}")
+    if choice == "fixed":
+        overrides.append("bucketing.policy.batch_sizes={16: 2}")
     cfg = _compose(overrides, tmp_path)
     node = cfg[group]
     if group == "data":
@@ -385,3 +387,18 @@ def test_gpu_recipe_without_a_gpu_says_to_add_trainer_cpu(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("adaptiveload-train: trainer.accelerator=gpu, but this machine has no GPU")
     assert "add `trainer=cpu`" in lines[0]
+
+
+def test_fixed_batch_sizes_name_an_unlisted_sequence_length(tmp_path):
+    with pytest.raises(MissingSettingError, match=r"bucketing.policy.batch_sizes \(\{S: B\}"):
+        build(_compose(["bucketing=fixed"], tmp_path))
+    # The quickstart's data has S = 16, 32, 64, ...: listing one S is an error naming the others, never B=1.
+    cfg = _compose(["bucketing=fixed", "bucketing.policy.batch_sizes={16: 8}", "++trainer.fast_dev_run=2"], tmp_path)
+    with pytest.raises(ValueError) as info:
+        train(cfg)
+    message = str(info.value)
+    assert re.match(r"`FixedBatchPolicy` has no batch size for S=\d+ \(unlisted sequence lengths of the data: \[", message)
+    assert "`bucketing.policy.default=<B>`" in message and "listed: [16]" in message
+    cfg = _compose(["bucketing=fixed", "bucketing.policy.batch_sizes={16: 8}", "bucketing.policy.default=2",
+                    "++trainer.fast_dev_run=2"], tmp_path)
+    assert train(cfg)["train/loss"] > 0

@@ -177,11 +177,13 @@ class FixedBatchPolicy(BatchSizePolicy):
         self.default = None if default is None else int(default)
 
     def _batch_sizes(self, seq_lens: np.ndarray) -> np.ndarray:
-        missing = [int(s) for s in seq_lens if int(s) not in self.table]
+        missing = sorted({int(s) for s in seq_lens if int(s) not in self.table})
         if missing and self.default is None:
+            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
             raise ValueError(
-                f"`FixedBatchPolicy` has no batch size for S={missing[0]} ({len(missing)} sequence lengths are "
-                f"missing; listed: {sorted(self.table)}). Add them to `batch_sizes` or pass `default`."
+                f"`FixedBatchPolicy` has no batch size for S={missing[0]} (unlisted sequence lengths of the data: "
+                f"{missing[:8]}{more}; listed: {sorted(self.table)}). List every S in `FixedBatchPolicy(batch_sizes=...)`, "
+                "or give one B for every unlisted S with `FixedBatchPolicy(default=<B>)`."
             )
         return np.array([self.table.get(int(s), self.default or 0) for s in seq_lens], dtype=np.int64)
 

@@ -94,8 +94,9 @@ def test_fixed_batch_policy():
     policy = FixedBatchPolicy({32760: 1, "7800": 4, 1560: 16})
     assert policy.batch_sizes(np.array([1560, 32760, 7800, 1560])).tolist() == [16, 1, 4, 16]
     assert policy.to_dict() == {"type": "fixed", "batch_sizes": {1560: 16, 7800: 4, 32760: 1}, "default": None}
-    with pytest.raises(ValueError, match=r"no batch size for S=100 \(1 sequence lengths are missing"):
-        policy.batch_sizes(np.array([100, 1560]))
+    with pytest.raises(ValueError, match=r"no batch size for S=100 \(unlisted sequence lengths of the data: "
+                                         r"\[100, 200\]; listed: \[1560, 7800, 32760\]\).*default=<B>"):
+        policy.batch_sizes(np.array([200, 100, 1560, 100]))
     assert FixedBatchPolicy({10: 2}, default=3).batch_sizes(np.array([10, 11])).tolist() == [2, 3]
     assert FixedBatchPolicy(None, default=2).batch_size(5) == 2
     for bad, match in (({}, "non-empty unless"), ({10: 0}, r"batch_sizes\[10\]=0"), ({"x": 1}, "key 'x'"),
