@@ -3,6 +3,7 @@ the command line, one error report per multi-rank failure, and every command of 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -312,3 +313,26 @@ def test_readme_command_composes_and_runs_on_cpu(overrides, tmp_path):
         assert run.datamodule is not None and run.trainer is not None
     else:
         assert "train/loss" in train(cfg)
+
+
+def test_simulate_takes_m_mem_from_a_calibration_file_unless_given(tmp_path, capsys):
+    from lightning_adaptiveload.calibration.costmodel import CostModel
+    from lightning_adaptiveload.calibration.profile import Measurement
+    from lightning_adaptiveload.calibration.record import Calibration
+    from lightning_adaptiveload.cli.simulate import main as simulate
+
+    cal = Calibration(key={"model": "x"}, cost_model=CostModel("quadratic", {"a": 0.01, "c1": 1e-6, "c2": 1e-10}),
+                      measurements=[Measurement(1, (1, 2, 2), 4, 0.01, 1000, "ok", 3, 0.05)])
+    record = tmp_path / "shape_benchmark.json"
+    record.write_text(json.dumps({**cal.to_dict(), "derived": {"m_mem": 40_000}}))
+    argv = ["--mixture", "wan_480p", "--num-samples", "2000", "--world-sizes", "8", "--cost-model", str(record)]
+    assert simulate(argv) == 0
+    out = capsys.readouterr().out
+    assert f"M_mem = 40,000 tokens (derived.m_mem of --cost-model {record})" in out
+    assert "EqualTokenPolicy(max_tokens=40000)" in out
+    assert simulate([*argv, "--m-mem", "50000"]) == 0
+    assert "M_mem = 50,000 tokens (--m-mem)" in capsys.readouterr().out
+    plain = tmp_path / "cm.json"  # a CostModel file carries no M_mem: the default
+    plain.write_text(cal.cost_model.to_json())
+    assert simulate([*argv[:-1], str(plain)]) == 0
+    assert "M_mem = 65,520 tokens (default: max(65520, longest S))" in capsys.readouterr().out

@@ -9,6 +9,7 @@ Examples::
 
     adaptiveload-simulate --mixture wan_mixed_480p_720p --world-sizes 8 16 1024
     adaptiveload-simulate --mixture my_mix.yaml --cost-model cost_model.json --m-mem 65520
+    adaptiveload-simulate --mixture my_mix.yaml --cost-model outputs/.../shape_benchmark.json   # its M_mem
     adaptiveload-simulate --manifest train.jsonl --world-sizes 64 --json out.json
     adaptiveload-simulate --mixture wan_mixed_480p_720p --m-mem 65520 --sp-degrees 2,4 --ranks-per-node 8
 """
@@ -129,6 +130,27 @@ def _degrees(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in parts)
 
 
+def calibrated_m_mem(path: str) -> int | None:
+    """The token budget M_mem a calibration record's run derived (``derived.m_mem`` of the
+    ``shape_benchmark.json`` a run writes); ``None`` for a plain CostModel file or a record without it.
+
+    Raises:
+        ValueError: ``derived.m_mem`` is there but not a positive integer.
+    """
+    try:
+        data = json.loads(Path(path).expanduser().read_text())
+    except (OSError, ValueError):
+        return None  # load_cost_model has named the file already
+    derived = data.get("derived") if isinstance(data, dict) else None
+    value = derived.get("m_mem") if isinstance(derived, dict) else None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`--cost-model {path}`: derived.m_mem={value!r}; expected a positive integer. "
+                         "Pass `--m-mem` to set the token budget yourself.")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point (``adaptiveload-simulate``)."""
     parser = argparse.ArgumentParser(
@@ -145,7 +167,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cost-model", help="CostModel or calibration JSON; default: a documented H200-like "
                                              "quadratic model for Wan 2.1 1.3B")
     parser.add_argument("--m-mem", type=int, default=None,
-                        help="token budget per batch (default: max(65520, the data's longest S), printed)")
+                        help="token budget per batch (default: the --cost-model calibration's derived M_mem, else "
+                             "max(65520, the data's longest S); printed)")
     parser.add_argument("--m-comp", type=float, default=None,
                         help="fixed compute budget of the dual constraint; default: derived from the cost model "
                              "(the budget of highest predicted throughput)")
@@ -172,8 +195,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         shapes = load_shapes(args.mixture, args.manifest, args.num_samples, args.vae_stride, args.patch_size)
         cost_model = load_cost_model(args.cost_model, argument="--cost-model") if args.cost_model else None
         seq = shapes.prod(axis=1)
-        m_mem = args.m_mem if args.m_mem is not None else max(65_520, int(seq.max()))
-        source = "--m-mem" if args.m_mem is not None else "default: max(65520, longest S)"
+        calibrated = calibrated_m_mem(args.cost_model) if args.cost_model and args.m_mem is None else None
+        if args.m_mem is not None:
+            m_mem, source = args.m_mem, "--m-mem"
+        elif calibrated is not None:
+            m_mem, source = calibrated, f"derived.m_mem of --cost-model {args.cost_model}"
+        else:
+            m_mem, source = max(65_520, int(seq.max())), "default: max(65520, longest S)"
         cm = cost_model if cost_model is not None else default_cost_model()
         if args.m_comp is not None:
             dual = DualConstraintPolicy(m_mem, args.m_comp, args.p, oversize="skip")
