@@ -14,9 +14,37 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
+
+
+def load_pretrained(loader: Callable[..., Any], path: str, subfolder: str, option: str, **kwargs: Any) -> Any:
+    """``loader(path)``, else ``loader(path, subfolder=subfolder)`` (a Diffusers repo's part).
+
+    Raises:
+        ValueError: neither loads; one line naming ``option`` and its value, whether it is a local
+            directory, the loader's first error and the fix (an unreachable hub: pass a local directory).
+    """
+    try:
+        return loader(path, **kwargs)
+    except (OSError, ValueError) as first:
+        try:
+            return loader(path, subfolder=subfolder, **kwargs)
+        except (OSError, ValueError):
+            pass
+        cause = " ".join(str(first).split()) or type(first).__name__
+        if Path(path).expanduser().is_dir():
+            raise ValueError(
+                f"{option} {path}: cannot load it from this directory ({cause}). Pass the directory of a Diffusers "
+                f"Wan 2.1 repo (with a `{subfolder}/` folder) or of the {subfolder} itself."
+            ) from None
+        raise ValueError(
+            f"{option} {path}: not a local directory, and the model hub did not provide it ({cause}). Pass a local "
+            "directory with the downloaded model (download it where the hub is reachable), or check the name."
+        ) from None
 
 
 def caption_hash(caption: str) -> str:
@@ -60,13 +88,7 @@ class WanVaeEncoder:
         """Load from a local folder or hub id (a Diffusers repo's ``vae`` subfolder is found by itself)."""
         from diffusers import AutoencoderKLWan
 
-        try:
-            vae = AutoencoderKLWan.from_pretrained(name_or_path, torch_dtype=dtype)
-        except OSError as first:
-            try:
-                vae = AutoencoderKLWan.from_pretrained(name_or_path, subfolder="vae", torch_dtype=dtype)
-            except OSError:
-                raise first from None
+        vae = load_pretrained(AutoencoderKLWan.from_pretrained, name_or_path, "vae", "--vae", torch_dtype=dtype)
         return cls(vae.to(device))
 
     @property
@@ -117,17 +139,10 @@ class UMT5TextEncoder:
         """Load from local folders or hub ids (a Diffusers repo's ``text_encoder`` / ``tokenizer`` too)."""
         from transformers import AutoTokenizer, UMT5EncoderModel
 
-        def _load(loader, path: str, sub: str, **kw):
-            try:
-                return loader(path, **kw)
-            except (OSError, ValueError) as first:
-                try:
-                    return loader(path, subfolder=sub, **kw)
-                except (OSError, ValueError):
-                    raise first from None
-
-        model = _load(UMT5EncoderModel.from_pretrained, model_path, "text_encoder", dtype=dtype)
-        tokenizer = _load(AutoTokenizer.from_pretrained, tokenizer_path or model_path, "tokenizer")
+        model = load_pretrained(UMT5EncoderModel.from_pretrained, model_path, "text_encoder", "--text-encoder",
+                                dtype=dtype)
+        tokenizer = load_pretrained(AutoTokenizer.from_pretrained, tokenizer_path or model_path, "tokenizer",
+                                    "--tokenizer" if tokenizer_path else "--text-encoder")
         return cls(model.to(device), tokenizer, text_len)
 
     @property
