@@ -9,7 +9,9 @@ Which callback needs what (``check_module(module, needs=...)`` enforces it with 
 every missing member and how to add it):
 
 ============================  ============================================================
-``ShapeBenchmarkCallback``    ``compute_loss``, ``synthetic_batch``, ``batch_shape``
+``ShapeBenchmarkCallback``    ``compute_loss``, ``synthetic_batch``, ``batch_shape``; optional:
+                              ``calibration_key`` (merged into the cache key), ``checkpointing``,
+                              ``checkpointing_modes``, ``set_checkpointing`` (per-bucket modes)
 ``BalanceMonitor``            ``batch_shape``; ``flops_per_sample`` for MFU (optional)
 ``AdaptiveLoadDataModule``    ``batch_shape`` and ``patch_size`` (first-batch check)
 ============================  ============================================================
@@ -68,13 +70,22 @@ class AdaptiveLoadModule(Protocol):
         ...
 
 
-# Optional member, looked up with getattr (a Protocol cannot mark a method optional):
+# Optional members, looked up with getattr (a Protocol cannot mark a method optional):
 #     def flops_per_sample(self, seq_len: int) -> float
 # Model FLOPs of forward + backward for one sample of ``seq_len`` tokens (recomputation from
 # activation checkpointing not counted), used for MFU.
+#     def calibration_key(self) -> dict
+# Plain JSON values of every setting besides the architecture that changes the timed training step
+# (context length, compile and its options, the activation-checkpointing setting as configured,
+# fused kernels in use, ...). The shape benchmark's calibration key merges it, so a cached or
+# checkpointed calibration made under other values is profiled again.
+#     checkpointing: str; checkpointing_modes: tuple[str, ...]; def set_checkpointing(self, mode: str) -> None
+# Activation checkpointing chosen by the shape benchmark: ``checkpointing`` is ``"auto"`` until a mode
+# is set, ``checkpointing_modes`` lists the modes least recomputation first, and ``set_checkpointing``
+# is called before every training batch with the bucket's mode, so it must be cheap.
 
 REQUIRED_MEMBERS: tuple[str, ...] = ("compute_loss", "synthetic_batch", "batch_shape", "patch_size")
-OPTIONAL_MEMBERS: tuple[str, ...] = ("flops_per_sample",)
+OPTIONAL_MEMBERS: tuple[str, ...] = ("flops_per_sample", "calibration_key")
 
 _HOW_TO = {
     "compute_loss": "def compute_loss(self, batch) -> Tensor: return the scalar training loss of `batch` "
@@ -87,6 +98,8 @@ _HOW_TO = {
     "patch_size": "set `self.patch_size = (t, h, w)` in __init__ (the DiT's patch embedding stride)",
     "flops_per_sample": "def flops_per_sample(self, seq_len) -> float: return the model FLOPs of forward + "
     "backward for one sample of `seq_len` tokens",
+    "calibration_key": "def calibration_key(self) -> dict: return plain JSON values of the settings (besides the "
+    "architecture) that change the timed training step",
 }
 
 

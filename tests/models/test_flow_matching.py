@@ -476,3 +476,80 @@ def test_optimizer_impl_auto_picks_fused_only_on_cuda_and_rejects_bad_names(monk
     assert FlowMatchingModule("tiny", optimizer_impl="fused").fused_optimizer is True
     with pytest.raises(ValueError, match="optimizer_impl='adam'.*Expected one of"):
         FlowMatchingModule("tiny", optimizer_impl="adam")
+
+
+def test_calibration_key_changes_with_every_setting_that_changes_the_timed_step():
+    import json
+
+    from lightning_adaptiveload.callbacks.fused_adaln import apply_fused_adaln
+
+    def key(**kwargs):
+        return FlowMatchingModule(**{"model": "tiny", **kwargs}).calibration_key()
+
+    base = key()
+    assert json.loads(json.dumps(base)) == base  # plain JSON values
+    changes = {
+        "text_len": {"model": {"preset": "tiny", "text_len": 8}},
+        "compile": {"compile": True},
+        "compile_options": {"compile": True, "compile_options": {"max_autotune": True}},
+        "activation_checkpointing": {"activation_checkpointing": "selective"},
+        "fsdp_param_dtype": {"fsdp_param_dtype": "float32"},
+    }
+    for field, kwargs in changes.items():
+        assert key(**kwargs)[field] != base[field], field
+    assert key(compile=True)["compile_options"] != key(compile=True, compile_options={"max_autotune": True})[
+        "compile_options"]
+    assert key(activation_checkpointing=True)["activation_checkpointing"] == "full"
+    assert key(activation_checkpointing="auto")["activation_checkpointing"] == "auto"
+    # Settings that do not change the timed step leave it alone.
+    assert key(lr=1e-2, seed=3, timestep_shift=1.0, warmup_steps=5, optimizer_impl="foreach") == base
+    # Swapping in the fused AdaLN modules (FusedAdaLNCallback) changes the step.
+    module = FlowMatchingModule("tiny", activation_checkpointing="auto")
+    module.configure_model()
+    assert module.calibration_key()["fused_adaln_sites"] == 0
+    sites = apply_fused_adaln(module)
+    assert sites > 0 and module.calibration_key()["fused_adaln_sites"] == sites
+    # The mode chosen at run time is not a setting: "auto" stays "auto".
+    module.set_checkpointing("none")
+    assert module.calibration_key()["activation_checkpointing"] == "auto"
+
+
+def test_set_checkpointing_switches_blocks_without_rewrapping_and_before_the_model_exists():
+    module = FlowMatchingModule("tiny", activation_checkpointing="auto")
+    module.set_checkpointing("selective")  # before configure_model: the blocks are built with it
+    module.configure_model()
+    assert {b.checkpointing for b in module.model.blocks} == {"selective"}
+    forwards = [b.forward for b in module.model.blocks]
+    for mode in ("none", "full", "none"):
+        module.set_checkpointing(mode)
+        assert module.checkpointing == mode and {b.checkpointing for b in module.model.blocks} == {mode}
+    assert [b.forward for b in module.model.blocks] == forwards
+    with pytest.raises(ValueError, match=r"FlowMatchingModule.set_checkpointing\('some'\)` is not valid"):
+        module.set_checkpointing("some")
+
+
+def test_contexts_longer_than_text_len_are_refused_before_profiling(tmp_path):
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    from lightning_adaptiveload.bucketing.policy import EqualTokenPolicy
+    from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+    from lightning_adaptiveload.data.synthetic import SyntheticMixedDataset
+
+    class Profiled(pl.Callback):
+        reached = False
+
+        def on_fit_start(self, trainer, pl_module):
+            Profiled.reached = True
+
+    dataset = SyntheticMixedDataset(8, [{"num_frames": 1, "height": 64, "width": 64, "weight": 1.0}],
+                                    text_len=20, text_dim=32)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                         callbacks=[Profiled()])
+    with pytest.raises(MisconfigurationException, match=r"dataset\[0\] has L=20 tokens, but the model takes at most "
+                                                        r"text_len=16.*text_len=20 \(model.model.text_len=20\)"):
+        trainer.fit(FlowMatchingModule("tiny"), datamodule=AdaptiveLoadDataModule(dataset, EqualTokenPolicy(64)))
+    assert not Profiled.reached
+    # Shorter contexts are zero-padded by the model: accepted.
+    module = FlowMatchingModule("tiny")
+    module.check_batch({"latents": torch.zeros(1, 16, 1, 2, 2), "context": torch.zeros(1, 5, 32)})

@@ -9,6 +9,8 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from lightning_adaptiveload.models.protocol import (
+    OPTIONAL_MEMBERS,
+    REQUIRED_MEMBERS,
     AdaptiveLoadModule,
     check_batch_against_plan,
     check_module,
@@ -122,7 +124,7 @@ def test_flow_matching_module_satisfies_the_protocol():
     if not hasattr(module, "batch_shape"):
         pytest.skip("FlowMatchingModule has no batch_shape yet")
     module.configure_model()
-    check_module(module)
+    check_module(module, REQUIRED_MEMBERS + OPTIONAL_MEMBERS)
     batch = validate_synthetic_batch(module, (2, 2, 3), device="cpu")
     assert module.batch_shape(batch) == (2, 12)
     assert torch.isfinite(module.compute_loss(batch))
