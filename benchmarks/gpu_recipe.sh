@@ -1,6 +1,7 @@
 #!/bin/bash
 # The 1.3B recipe as the README gives it, on one GPU, for a short run (run on the device). Writes under $OUT.
-# Extra arguments are Hydra overrides, e.g. 'model.compile_options={triton.mix_order_reduction_non_strict_mode:true}'.
+# Extra arguments are Hydra overrides, e.g. data.dataset.mixture=wan_mixed_480p_720p, or experiment=... for
+# another recipe; NAME names the log (default: the 1.3B recipe's).
 # Dynamo's recompile reasons go to the log (TORCH_LOGS=recompiles unless set); the last line counts the
 # block graphs compiled. Compiles start cold (a fresh inductor cache unless TORCHINDUCTOR_CACHE_DIR is set), so
 # the profile time is a first run's. The GPU's SM clock, power and throttle reasons are sampled every second
@@ -8,21 +9,21 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-LOG="$OUT/recipe_wan2_1_1_3b_480p_h200x1.log"
+LOG="$OUT/recipe_${NAME:-wan2_1_1_3b_480p_h200x1}.log"
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$(mktemp -d /tmp/inductor_cache.XXXXXX)}
 SMI_PID=
 if command -v nvidia-smi >/dev/null; then
     REASONS=clocks_event_reasons.active  # the older drivers' name: clocks_throttle_reasons.active
     nvidia-smi --query-gpu=$REASONS --format=csv >/dev/null 2>&1 || REASONS=clocks_throttle_reasons.active
     nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu,$REASONS \
-        --format=csv -l 1 > "$OUT/gpu_clocks.csv" 2>/dev/null &
+        --format=csv -l 1 > "$OUT/gpu_clocks_${NAME:-recipe}.csv" 2>/dev/null &
     SMI_PID=$!
 fi
 TORCH_LOGS=${TORCH_LOGS:-recompiles} timeout ${RECIPE_TIMEOUT:-420} python3 -m lightning_adaptiveload.train \
-    experiment=wan2_1_1_3b_480p trainer.devices=1 \
+    experiment=${EXPERIMENT:-wan2_1_1_3b_480p} trainer.devices=1 \
     trainer.max_steps=${STEPS:-40} callbacks.balance_monitor.warmup_steps=${WARMUP:-10} logger=csv \
     trainer.enable_checkpointing=false '~callbacks.model_checkpoint' trainer.enable_progress_bar=false \
-    data.dataset.num_samples=20000 callbacks.shape_benchmark.cache_dir="$OUT/cache" output_dir="$OUT/recipe" "$@" 2>&1 \
+    data.dataset.num_samples=20000 callbacks.shape_benchmark.cache_dir="$OUT/cache" output_dir="$OUT/recipe_${NAME:-1_3b}" "$@" 2>&1 \
   | grep --line-buffered -v -i "warnings.warn\|tip:\|litlogger" | while IFS= read -r line; do printf '%(%T)T %s\n' -1 "$line"; done \
   | tee "$LOG" | grep -v "__recompiles\]" | tail -${TAIL:-70}
 echo "block graphs compiled: $(( $(grep -c 'Recompiling function forward' "$LOG") + 1 )) (from TORCH_LOGS=recompiles)"

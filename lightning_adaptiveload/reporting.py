@@ -25,8 +25,9 @@ def bucket_plan_table(sampler: AdaptiveBucketBatchSampler) -> tuple[Table, dict[
     """The bucket-plan table of a sampler's current plan, and the plan's statistics.
 
     One row per token grid: S, samples, B, batches, cost per batch relative to the costliest (from
-    the sampler's cost model, the one it balances on). The caption gives steps, padding, drops and
-    the predicted compute CV and bubble.
+    the sampler's cost model, the one it balances on), and with per-bucket activation checkpointing
+    (a policy with ``mode_for``) the bucket's mode. The caption gives steps, padding, drops and the
+    predicted compute CV and bubble.
     """
     stats = sampler.plan_stats
     rows = sampler.bucket_table()
@@ -43,18 +44,21 @@ def bucket_plan_table(sampler: AdaptiveBucketBatchSampler) -> tuple[Table, dict[
             if r["sp_degree"] > 1:
                 costs[i] = float(sp_cost(np.array([r["batch_size"]]), np.array([r["seq_len"]]), r["sp_degree"])[0])
     top = float(costs.max()) if len(costs) else 1.0
+    mode_for = getattr(sampler.policy, "mode_for", None)
     world = stats["num_replicas"]
     table = Table(
         title=f"Bucket plan: {sampler.policy!r}, balance={sampler.balance!r}, {world} rank(s)",
         title_justify="left",
     )
-    for col in ("token grid (f,h,w)", "S", "samples", "B", "batches", "cost/batch") + (("SP ranks",) if sp else ()):
+    extra = (("SP ranks",) if sp else ()) + (("checkpointing",) if mode_for else ())
+    for col in ("token grid (f,h,w)", "S", "samples", "B", "batches", "cost/batch") + extra:
         table.add_column(col, justify="right")
     for r, c in zip(rows, costs, strict=True):
         b = r["batch_size"]
         table.add_row("x".join(map(str, r["grid"])), f"{r['seq_len']:,}", f"{r['samples']:,}",
                       str(b) if b else "skipped", f"{r['batches']:,}", f"{c / top:.2f}" if b else "-",
-                      *((str(r["sp_degree"]) if b else "-",) if sp else ()))
+                      *((str(r["sp_degree"]) if b else "-",) if sp else ()),
+                      *(((mode_for(r["seq_len"]) or "-") if b else "-",) if mode_for else ()))
     table.caption = (
         f"{stats['num_steps']:,} steps/epoch x {world} rank(s); padded {stats['padded_samples']} "
         f"samples, dropped {stats['dropped_samples']}, skipped oversize {stats['skipped_oversize']}; "
@@ -72,23 +76,35 @@ def print_bucket_plan(sampler: AdaptiveBucketBatchSampler, console: Console | No
 
 def calibration_table(calibration: Any, derivation: Any, source: str) -> Table:
     """Measured vs fitted step time of every profiled shape, with the derived constants as title."""
-    cm, mm = calibration.cost_model, calibration.memory_model
+    from lightning_adaptiveload.calibration.derive import tiers_from_record
+
+    cm, base_mm = calibration.cost_model, calibration.memory_model
+    tiers = tiers_from_record(calibration.extra) or []
     p = derivation.policy.to_dict()
     p.pop("cost_model", None)
-    shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in p.items() if k != "type")
+    if derivation.tiers:
+        shown = "; ".join(f"'{t['mode']}' up to S={t['max_seq_len']:,} (x{t['scale']:.2f}, M_mem={t['m_mem']:,})"
+                          for t in derivation.tiers)
+    else:
+        shown = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in p.items() if k != "type")
     table = Table(
         title=(f"Shape benchmark ({source}; profiled in {calibration.profile_seconds:.0f} s) — {cm}\n"
                f"{p['type']}: {shown}; step budget {derivation.step_budget_s * 1e3:.1f} ms "
                f"({derivation.budget_source})\n{derivation.summary()}"),
         title_justify="left",
     )
-    for col in ("B", "S", "status", "measured ms", "fitted ms", "error", "peak GiB", "pred. GiB"):
+    modes = any(m.mode for m in calibration.measurements)
+    for col in ("B", "S") + (("mode",) if modes else ()) + ("status", "measured ms", "fitted ms", "error", "peak GiB",
+                                                          "pred. GiB"):
         table.add_column(col, justify="right")
+    scale = {t.mode: t.scale for t in tiers}  # a mode's steps are the cost model times its scale
     for m in calibration.measurements:
-        pred = float(cm.predict(m.batch_size, m.seq_len))
+        pred = float(cm.predict(m.batch_size, m.seq_len)) * scale.get(m.mode, 1.0)
+        mm = next((t.memory_model for t in tiers if t.mode == m.mode and t.memory_model is not None), base_mm)
         ok = m.status == "ok"
         table.add_row(
-            str(m.batch_size), f"{m.seq_len:,}", m.status, f"{m.time_s * 1e3:.1f}" if ok else "-",
+            str(m.batch_size), f"{m.seq_len:,}", *((m.mode or "-",) if modes else ()), m.status,
+            f"{m.time_s * 1e3:.1f}" if ok else "-",
             f"{pred * 1e3:.1f}", f"{pred / m.time_s - 1:+.1%}" if ok else "-",
             f"{m.peak_bytes / 2**30:.1f}" if m.peak_bytes else "-",
             f"{mm.predict(m.batch_size, m.seq_len) / 2**30:.1f}" if mm is not None else "-",

@@ -291,7 +291,7 @@ def profile_modes(grids: np.ndarray, counts: np.ndarray, settings: ProfileSettin
         warn(note)
     extra: dict[str, Any] = {}
     if trainee.modes:
-        tiers = derive.fit_tiers(by_mode, cost_model, memory_model, limit)  # type: ignore[arg-type]
+        tiers = derive.fit_tiers(by_mode, cost_model, memory_model, limit, base_mode)  # type: ignore[arg-type]
         if not tiers:
             tiers = [derive.ModeTier(modes[-1], int(seq_all.min()), 1.0, memory_model)]  # nothing fits: oversize
         extra["checkpointing"] = {"tiers": [t.to_dict() for t in tiers], "base_mode": base_mode,

@@ -214,11 +214,12 @@ def fits_at_one(measurement: Any, memory_limit: float | None) -> bool:
 
 
 def fit_tiers(by_mode: Sequence[tuple[str, Sequence[Any]]], cost_model: CostModel, base_memory: MemoryModel | None,
-              memory_limit: float | None) -> list[ModeTier]:
+              memory_limit: float | None, base_mode: str | None = None) -> list[ModeTier]:
     """The tiers of a per-mode profile: ``by_mode`` holds ``(mode, measurements)`` least recomputation
     first. A mode takes the sequence lengths above the previous mode's, up to the longest it trained at
     B = 1 within ``memory_limit`` (:func:`fits_at_one`); a mode that adds none gets no tier. Its scale is
-    the median ratio of its measured step times to ``cost_model``'s; its memory model is fitted to its
+    the median ratio of its measured step times to ``cost_model``'s (1 for ``base_mode``, the mode
+    ``cost_model`` was fitted to; the first when not given); its memory model is fitted to its
     peaks, or, with one token count only, the line through the base model's fixed bytes and its peak.
     """
     tiers: list[ModeTier] = []
@@ -228,8 +229,8 @@ def fit_tiers(by_mode: Sequence[tuple[str, Sequence[Any]]], cost_model: CostMode
             continue
         ok = [m for m in meas if m.status == "ok"]
         scale = float(np.median([m.time_s / float(cost_model.predict(m.batch_size, m.seq_len)) for m in ok]))
-        if not tiers:
-            scale = 1.0 if abs(scale - 1.0) < 0.02 else scale  # the base mode: the fit itself (noise aside)
+        if mode == (base_mode if base_mode is not None else by_mode[0][0]):
+            scale = 1.0  # the fit itself
         tiers.append(ModeTier(mode, int(limit), scale, _tier_memory(ok, base_memory)))
     return tiers
 
