@@ -439,6 +439,7 @@ def test_checkpointing_modes_give_the_gradients_of_none_and_recompute_what_they_
         module.set_checkpointing("some")
 
 
+@pytest.mark.slow  # ~18 s on CPU: three modes through AOTAutograd
 def test_compiled_blocks_compile_one_graph_per_checkpointing_mode(monkeypatch):
     import torch._dynamo.testing
 
