@@ -498,6 +498,12 @@ class DiffusersWanModule(RectifiedFlowModule):
             )
         return self._wan_config
 
+    @property
+    def config(self) -> WanConfig:
+        """:attr:`wan_config` under the name ``adaptiveload-train`` reads the data geometry from (patch,
+        VAE stride, text length and width) and the calibration key fingerprints."""
+        return self.wan_config
+
     def _built_model(self) -> WanTransformer3DModel | None:
         return self.transformer
 
