@@ -30,6 +30,7 @@ import numpy as np
 
 import lightning_adaptiveload.calibration.derive as derive
 import lightning_adaptiveload.calibration.record as record
+from lightning_adaptiveload.bucketing.sampler import oversize_error
 from lightning_adaptiveload.calibration.profile import (
     Collectives,
     LocalCollectives,
@@ -101,20 +102,20 @@ class CalibrationResult:
     profiled: bool = False
 
 
-def check_oversize(grids: np.ndarray, counts: np.ndarray, limit: int, oversize: str, why: str = "") -> None:
-    """Raise when samples are longer than ``limit`` tokens and ``oversize == "error"``: the one rule for
-    samples that cannot train even alone."""
-    seq = grids.prod(axis=1)
-    over = np.flatnonzero(seq > limit)
-    if over.size and oversize == "error":
-        i = int(over[np.argmin(seq[over])])
-        raise ValueError(
-            f"{int(counts[over].sum())} samples are longer than the {limit:,} tokens that fit one device{why}, "
-            f"starting with {int(counts[i])} of token grid {tuple(int(v) for v in grids[i])} (S={int(seq[i]):,}). "
-            "Enable activation checkpointing (activation_checkpointing='auto' chooses it per bucket) or shard "
-            "the model to fit them, crop or remove such samples, or set `oversize='skip'` on the policy "
-            "(bucketing.policy.oversize=skip) to leave them out (counted; they are not profiled either)."
-        )
+def check_oversize(grids: np.ndarray, counts: np.ndarray, limit: int, oversize: str, budget: str = "",
+                   samples: tuple[np.ndarray, Any] | None = None) -> None:
+    """Raise :func:`~lightning_adaptiveload.bucketing.sampler.oversize_error` (the one rule for samples
+    that cannot train even alone) for a corpus of distinct ``grids`` with ``counts``; ``samples``
+    (every sample's token grid in dataset order and the dataset's ``sample_label``) names the first
+    such sample's source."""
+    if samples is not None:
+        per_sample, label = samples
+        per_sample = np.asarray(per_sample, dtype=np.int64).reshape(-1, 3)
+    else:
+        per_sample, label = np.repeat(grids, counts, axis=0), None
+    err = oversize_error(per_sample.prod(axis=1), limit, oversize, label, grids=per_sample, budget=budget)
+    if err is not None:
+        raise err
 
 
 def calibrate(
@@ -134,6 +135,7 @@ def calibrate(
     balance: str = "cost",
     seed: int = 0,
     oversize: str = "error",
+    samples: tuple[np.ndarray, Any] | None = None,
     say: Callable[[str], None] = lambda line: None,
     warn: Callable[[str], None] = lambda line: None,
 ) -> CalibrationResult:
@@ -151,6 +153,7 @@ def calibrate(
         force: profile even when the checkpoint or the cache holds a matching calibration.
         broadcast: rank 0's object on every rank.
         world_size, balance, seed, oversize: the run's sampler settings (the derivation plans with them).
+        samples: every sample's token grid and the dataset's ``sample_label`` (names an oversize sample).
 
     Raises:
         ValueError: samples that fit no mode with ``oversize="error"``; nothing could be fitted.
@@ -177,7 +180,7 @@ def calibrate(
     profiled = cal is None
     if cal is None:
         if settings.m_mem is not None:
-            check_oversize(grids, counts, settings.m_mem, oversize, f" (m_mem={settings.m_mem:,})")
+            check_oversize(grids, counts, settings.m_mem, oversize, f"(m_mem={settings.m_mem:,})", samples)
         target = trainee() if callable(trainee) and not isinstance(trainee, Trainee) else trainee
         cal = profile_modes(grids, counts, settings, target, key, say=say, warn=warn)
         # Timings are maxima over ranks, so every rank fits the same models; broadcasting rank 0's
@@ -187,13 +190,14 @@ def calibrate(
         if cache_dir is not None and is_global_zero:
             record.write_cache(cache_dir, cal)
     derivation = derive_for(cal, grids, counts, settings, derived=derived, world_size=world_size, balance=balance,
-                            seed=seed, oversize=oversize, say=say)
+                            seed=seed, oversize=oversize, say=say, samples=samples)
     return CalibrationResult(cal, derivation, str(source), profiled)
 
 
 def derive_for(cal: record.Calibration, grids: np.ndarray, counts: np.ndarray, settings: ProfileSettings, *,
                derived: dict[str, Any] | None = None, world_size: int = 1, balance: str = "cost", seed: int = 0,
-               oversize: str = "error", say: Callable[[str], None] = lambda line: None) -> derive.Derivation:
+               oversize: str = "error", say: Callable[[str], None] = lambda line: None,
+               samples: tuple[np.ndarray, Any] | None = None) -> derive.Derivation:
     """The policy of a calibration for this corpus: the memory budget of each mode's tier (or the budgets
     ``derived`` records, on resume), the oversize rule, then :func:`~lightning_adaptiveload.calibration.derive.derive_policy`."""
     try:
@@ -212,7 +216,7 @@ def derive_for(cal: record.Calibration, grids: np.ndarray, counts: np.ndarray, s
         elif tiers:
             found = derive.tier_memory_budgets(tiers, cal.measurements, cal.device_memory,
                                                margin=settings.memory_margin, pending_bytes=cal.optimizer_bytes,
-                                               seq_lens=seq)
+                                               seq_lens=seq, base_mode=cal.extra["checkpointing"].get("base_mode"))
             m_mem = [m for m, _ in found]
             for t, (m, how) in zip(tiers, found, strict=True):
                 say(f"'{t.mode}' for S <= {t.max_seq_len:,}: M_mem = {m:,} tokens ({how})")
@@ -223,8 +227,8 @@ def derive_for(cal: record.Calibration, grids: np.ndarray, counts: np.ndarray, s
             say(f"M_mem = {m_mem:,} tokens ({how})")
     limit = int(m_mem[-1]) if isinstance(m_mem, list) else int(m_mem)
     tried = (cal.extra.get("checkpointing") or {}).get("modes") or [t.mode for t in tiers or ()]
-    why = f" even with '{tried[-1]}' activation checkpointing" if tried else ""
-    check_oversize(grids, counts, limit, oversize, why)
+    why = f"that fit one device even with '{tried[-1]}' activation checkpointing" if tried else "that fit one device"
+    check_oversize(grids, counts, limit, oversize, why, samples)
     return derive.derive_policy(cal.cost_model, grids, m_mem, counts=counts, world_size=world_size, balance=balance,
                                 step_budget_s=budget, oversize=oversize, seed=seed, tiers=tiers)
 

@@ -252,10 +252,16 @@ def _tier_memory(ok: Sequence[Any], base: MemoryModel | None) -> MemoryModel | N
 
 
 def tier_memory_budgets(tiers: Sequence[ModeTier], measurements: Sequence[Any], device_memory: int | None, *,
-                        margin: float, pending_bytes: int, seq_lens: Any) -> list[tuple[int, str]]:
+                        margin: float, pending_bytes: int, seq_lens: Any,
+                        base_mode: str | None = None) -> list[tuple[int, str]]:
     """``(M_mem, how)`` of every tier (:func:`memory_budget` on its own measurements and memory model,
-    with the corpus's sequence lengths of that tier), never below the tier's measured ``max_seq_len``."""
+    with the corpus's sequence lengths of that tier), never below the tier's measured ``max_seq_len``.
+
+    A tier other than ``base_mode`` (the first when not given) was profiled at B = 1 only, so its
+    memory model is a line through one or two points: its budget is kept at the largest ``B·S`` it
+    measured (a measurement, not an extrapolation to batches it never ran)."""
     seq = np.unique(np.asarray(seq_lens, dtype=np.int64))
+    base_mode = base_mode if base_mode is not None else (tiers[0].mode if tiers else None)
     out, lower = [], 0
     for t in tiers:
         own = [m for m in measurements if m.mode == t.mode] or list(measurements)
@@ -263,6 +269,10 @@ def tier_memory_budgets(tiers: Sequence[ModeTier], measurements: Sequence[Any], 
         m_mem, how = memory_budget(own, t.memory_model, device_memory, margin=margin, pending_bytes=pending_bytes,
                                    longest_seq_len=t.max_seq_len,
                                    shortest_seq_len=int(in_tier.min()) if in_tier.size else t.max_seq_len)
+        if t.mode != base_mode:
+            measured = max([m.batch_size * m.seq_len for m in own if m.status == "ok"], default=t.max_seq_len)
+            if measured < m_mem:
+                m_mem, how = measured, f"largest batch measured in '{t.mode}'; its model gives {int(m_mem):,}"
         out.append((max(int(m_mem), t.max_seq_len), how))
         lower = t.max_seq_len
     return out

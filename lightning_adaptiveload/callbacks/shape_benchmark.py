@@ -253,7 +253,7 @@ class ShapeBenchmarkCallback(Callback):
             key=self._key(trainer, pl_module, grids), pinned=self.calibration_path,
             restored=None if self.force else self._restored, cache_dir=self.cache_dir, force=self.force,
             is_global_zero=trainer.is_global_zero, broadcast=trainer.strategy.broadcast,
-            world_size=trainer.world_size, **self._sampler_settings(trainer),
+            world_size=trainer.world_size, **self._sampler_settings(trainer), samples=self._samples(trainer),
             say=lambda line: rank_zero_info(f"{_NAME}: {line}"), warn=lambda line: rank_zero_warn(f"{_NAME}: {line}"))
         self.profiled = result.profiled
         self._apply(trainer, pl_module, result.calibration, result.derivation, result.source)
@@ -276,7 +276,8 @@ class ShapeBenchmarkCallback(Callback):
                        "calibration so the resumed bucket plan matches. Set `cache_dir` to skip profiling on resume.")
         grids, counts = self._buckets(trainer)
         derivation = derive_for(restored, grids, counts, self.settings, derived=state.get("derived"),
-                                world_size=trainer.world_size, **self._sampler_settings(trainer))
+                                world_size=trainer.world_size, **self._sampler_settings(trainer),
+                                samples=self._samples(trainer))
         self._apply(trainer, pl_module, restored, derivation, "checkpoint")
 
     @override
@@ -427,6 +428,11 @@ class ShapeBenchmarkCallback(Callback):
         if len(grids) == 0:
             raise MisconfigurationException(f"{_NAME}: the dataset has no samples to profile.")
         return count_buckets(grids)
+
+    def _samples(self, trainer: Trainer) -> tuple[np.ndarray, Any]:
+        """Every sample's token grid and the dataset's ``sample_label`` (oversize errors name the sample)."""
+        dataset = trainer.datamodule.dataset
+        return np.asarray(dataset.token_grids()), getattr(dataset, "sample_label", None)
 
     def _resolve_save_dir(self, trainer: Trainer) -> Path:
         if self.save_dir is not None:

@@ -213,3 +213,18 @@ def test_scaled_cost_model_multiplies_every_prediction():
         assert np.allclose(cm.scaled(1.3).predict(b, s), 1.3 * cm.predict(b, s), rtol=1e-12)
     with pytest.raises(ValueError, match="factor"):
         cm.scaled(0.0)
+
+
+def test_tiers_beyond_the_base_mode_keep_their_budget_at_what_they_measured():
+    from lightning_adaptiveload.calibration.derive import ModeTier, tier_memory_budgets
+
+    gib = 2**30
+    none = [_m(1, 1000, 1e-3, 10 * gib, mode="none"), _m(8, 1000, 8e-3, 26 * gib, mode="none")]
+    selective = [_m(1, 8000, 9.6e-3, 20 * gib, mode="selective")]
+    tiers = [ModeTier("none", 5000, 1.0, MemoryModel(8 * gib, 2 * gib / 1000)),
+             ModeTier("selective", 8000, 1.2, MemoryModel(8 * gib, 12 * gib / 8000))]
+    (m_none, _), (m_sel, how) = tier_memory_budgets(tiers, none + selective, 100 * gib, margin=0.1, pending_bytes=0,
+                                                    seq_lens=[1000, 5000, 8000])
+    assert m_none == (90 - 8) * 1000 // 2  # the base mode: its fitted model
+    # selective's one-point line would allow (90 - 8) / 12 * 8000 = 54,666 tokens; it keeps 8,000, measured.
+    assert m_sel == 8000 and "largest batch measured" in how

@@ -48,7 +48,7 @@ def test_sp_trains_720p_clips_that_one_gpu_refuses(mixed):
     n_720 = int((shapes.prod(axis=1) == 75_600).sum())
     assert isinstance(dual, CostModelPolicy)
     strict = CostModelPolicy(dual.cost_model, dual.m_mem, dual.step_budget)  # oversize="error": refused today
-    with pytest.raises(OversizeSampleError, match="S=75600"):
+    with pytest.raises(OversizeSampleError, match="S=75,600"):
         simulate(shapes, strict, 64, cost_model=default_cost_model())
     assert simulate(shapes, strict, 64, cost_model=default_cost_model(), sequence_parallel=SP).samples == len(shapes)
     cm = SequenceParallelCostModel(default_cost_model(), COMM)
