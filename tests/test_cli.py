@@ -336,3 +336,27 @@ def test_simulate_takes_m_mem_from_a_calibration_file_unless_given(tmp_path, cap
     plain.write_text(cal.cost_model.to_json())
     assert simulate([*argv[:-1], str(plain)]) == 0
     assert "M_mem = 65,520 tokens (default: max(65520, longest S))" in capsys.readouterr().out
+
+
+def test_simulate_takes_the_checkpointing_tiers_from_a_calibration_file(tmp_path, capsys):
+    from lightning_adaptiveload.calibration.costmodel import CostModel
+    from lightning_adaptiveload.calibration.derive import ModeTier
+    from lightning_adaptiveload.calibration.profile import Measurement
+    from lightning_adaptiveload.calibration.record import Calibration
+    from lightning_adaptiveload.cli.simulate import main as simulate
+
+    tiers = [ModeTier("none", 32760, 1.0), ModeTier("selective", 75600, 1.2)]
+    cal = Calibration(key={"model": "x"}, cost_model=CostModel("quadratic", {"a": 0.01, "c1": 1e-6, "c2": 1e-10}),
+                      measurements=[Measurement(1, (1, 2, 2), 4, 0.01, 1000, "ok", 3, 0.05)],
+                      extra={"checkpointing": {"tiers": [t.to_dict() for t in tiers]}})
+    record = tmp_path / "shape_benchmark.json"
+    derived = {"m_mem": 90_000, "tiers": [{"mode": "none", "m_mem": 40_000}, {"mode": "selective", "m_mem": 90_000}]}
+    record.write_text(json.dumps({**cal.to_dict(), "derived": derived}))
+    out_json = tmp_path / "sim.json"
+    argv = ["--mixture", "wan_mixed_480p_720p", "--num-samples", "2000", "--world-sizes", "8", "--cost-model",
+            str(record), "--json", str(out_json)]
+    assert simulate(argv) == 0
+    out = capsys.readouterr().out
+    assert "M_mem = 90,000 tokens" in out and "0 samples above it" in out  # 720p clips train in 'selective'
+    assert "checkpointing per bucket: 'none' up to S=32,760 (M_mem 40,000), 'selective' up to S=75,600" in out
+    assert "TieredPolicy(" in out

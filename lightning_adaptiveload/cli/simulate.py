@@ -151,6 +151,22 @@ def calibrated_m_mem(path: str) -> int | None:
     return value
 
 
+def calibrated_tiers(path: str) -> tuple[list[Any], list[int]] | None:
+    """The per-bucket activation-checkpointing tiers of a calibration record and the M_mem its run
+    derived for each (``derived.tiers``); ``None`` for a record without them (one mode)."""
+    from lightning_adaptiveload.calibration.derive import tiers_from_record
+
+    try:
+        data = json.loads(Path(path).expanduser().read_text())
+        tiers = tiers_from_record(data.get("extra") or {})
+        budgets = [int(t["m_mem"]) for t in (data.get("derived") or {}).get("tiers") or []]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None  # load_cost_model has named the file already; a malformed tier list is one mode
+    if not tiers or len(budgets) != len(tiers):
+        return None
+    return tiers, budgets
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point (``adaptiveload-simulate``)."""
     parser = argparse.ArgumentParser(
@@ -196,6 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cost_model = load_cost_model(args.cost_model, argument="--cost-model") if args.cost_model else None
         seq = shapes.prod(axis=1)
         calibrated = calibrated_m_mem(args.cost_model) if args.cost_model and args.m_mem is None else None
+        tiered = calibrated_tiers(args.cost_model) if calibrated is not None and args.m_comp is None else None
         if args.m_mem is not None:
             m_mem, source = args.m_mem, "--m-mem"
         elif calibrated is not None:
@@ -203,7 +220,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             m_mem, source = max(65_520, int(seq.max())), "default: max(65520, longest S)"
         cm = cost_model if cost_model is not None else default_cost_model()
-        if args.m_comp is not None:
+        if tiered is not None:
+            # Activation checkpointing per bucket, as the calibrated run trained: each tier's own budget and cost.
+            tiers, budgets = tiered
+            derivation = derive_policy(cm, shapes, budgets, world_size=max(args.world_sizes), oversize="skip",
+                                       seed=args.seed, tiers=tiers)
+            dual, m_mem = derivation.policy, budgets[-1]
+            cm = derivation.cost_model or cm
+            source += "; checkpointing per bucket: " + ", ".join(
+                f"'{t.mode}' up to S={t.max_seq_len:,} (M_mem {b:,})" for t, b in zip(tiers, budgets, strict=True))
+        elif args.m_comp is not None:
             dual = DualConstraintPolicy(m_mem, args.m_comp, args.p, oversize="skip")
         else:
             dual = derive_policy(cm, shapes, m_mem, world_size=max(args.world_sizes), oversize="skip",
