@@ -3,24 +3,19 @@
 # costs at Wan 2.1 1.3B's video and image shapes (wall time per call against the kernels' GPU time
 # and against eager PyTorch). Writes the timing JSON to $1 and exits with the tests' status.
 #
-#     bash benchmarks/gpu_check_adaln.sh /tmp/out/adaln_eager_calls.json
+#     bash benchmarks/device/gpu_check_adaln.sh /tmp/out/adaln_eager_calls.json
 #
 # The extension builds on first use (1-2 min on an H200) for the GPU's architecture, whatever
 # TORCH_CUDA_ARCH_LIST says; the tests and the timing share that build.
 set -uo pipefail
-out="${1:?usage: bash benchmarks/gpu_check_adaln.sh OUT.json}"
-cd "$(dirname "$0")/.."
+out="${1:?usage: bash benchmarks/device/gpu_check_adaln.sh OUT.json}"
+cd "$(dirname "$0")/../.."
 # shellcheck source=device_env.sh
-source benchmarks/device_env.sh
+source benchmarks/device/device_env.sh
 mkdir -p "$(dirname "$out")"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 start=$(date +%s)
-timeout 100 python3 -c "
-import time, torch
-from lightning_adaptiveload.ops import adaln_build_error, load_adaln_extension
-t = time.time()
-print('build ok:', load_adaln_extension(), adaln_build_error(), f'{time.time() - t:.0f}s')
-"
+timeout 100 python3 benchmarks/device/adaln_build.py
 timeout 100 python3 -m pytest -q tests/ops -m cuda -p no:cacheprovider 2>&1 | tail -n 15
 tests_rc=${PIPESTATUS[0]}
 echo "tests done in $(( $(date +%s) - start ))s (rc=$tests_rc)"

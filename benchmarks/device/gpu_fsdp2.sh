@@ -5,15 +5,15 @@
 # fully_shard per block, bf16 parameters with fp32 reduction, activation checkpointing, shape
 # benchmark + cost-balanced buckets) through benchmarks/bench_e2e.py. About 2-3 min of GPU time.
 #
-#     OUT=/tmp/out bash benchmarks/gpu_fsdp2.sh
+#     OUT=/tmp/out bash benchmarks/device/gpu_fsdp2.sh
 #
 # Writes $OUT/fsdp2_tests.xml (JUnit) and $OUT/e2e_fsdp2_1gpu.json (bench_e2e's result: tokens/s,
 # MFU, peak memory, losses); exits with the tests' status, or the benchmark's if the tests passed.
 set -uo pipefail
 out="${OUT:?set OUT to the output directory}"
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 # shellcheck source=device_env.sh
-source benchmarks/device_env.sh
+source benchmarks/device/device_env.sh
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 start=$(date +%s)

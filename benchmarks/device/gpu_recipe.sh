@@ -1,5 +1,6 @@
 #!/bin/bash
-# The 1.3B recipe as the README gives it, on one GPU, for a short run (run on the device). Writes under $OUT.
+# The 1.3B recipe as the README gives it, on one GPU, for a short run (run on the device, from the repository
+# root: `bash benchmarks/device/gpu_recipe.sh`). Writes under $OUT.
 # Extra arguments are Hydra overrides, e.g. data.dataset.mixture=wan_mixed_480p_720p, or experiment=... for
 # another recipe; NAME names the log (default: the 1.3B recipe's).
 # Dynamo's recompile reasons go to the log (TORCH_LOGS=recompiles unless set); the last line counts the

@@ -1,5 +1,6 @@
 #!/bin/bash
-# Whole-step speed on one GPU (run on the device; see benchmarks/bench_speed.py). Writes under $OUT.
+# Whole-step speed on one GPU (run on the device, from the repository root: `bash benchmarks/device/gpu_speed.sh`;
+# see benchmarks/bench_speed.py). Writes under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"

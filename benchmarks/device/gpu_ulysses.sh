@@ -5,12 +5,12 @@
 # (benchmarks/bench_ulysses.py). Writes $OUT/gpu_ulysses.json and exits with the test's status.
 # About 1 minute of GPU time.
 #
-#     OUT=/tmp/out bash benchmarks/gpu_ulysses.sh
+#     OUT=/tmp/out bash benchmarks/device/gpu_ulysses.sh
 set -uo pipefail
 OUT="${OUT:?set OUT to a directory for the results}"
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 # shellcheck source=device_env.sh
-source benchmarks/device_env.sh
+source benchmarks/device/device_env.sh
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 start=$(date +%s)
