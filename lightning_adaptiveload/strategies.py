@@ -10,11 +10,6 @@ from typing_extensions import override
 from lightning_adaptiveload.parallel.fsdp import build_fsdp_mesh, check_shard_size
 
 
-def auto_strategy() -> str:
-    """Let Lightning pick (single device, or DDP when several devices are asked for)."""
-    return "auto"
-
-
 def ddp_strategy(find_unused_parameters: bool = False, **kwargs: Any) -> Strategy:
     """DDP with the gradient-bucket view option that avoids a copy of every gradient."""
     return DDPStrategy(find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=True, **kwargs)

@@ -611,11 +611,6 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
         self._cache = (key, plan)
         return plan
 
-    @property
-    def is_fresh(self) -> bool:
-        """True at the start of an epoch that no resume state has advanced."""
-        return not self._segments and self._offset == 0
-
     # ------------------------------------------------------------------ sampler protocol
     def set_epoch(self, epoch: int) -> None:
         """Select epoch ``epoch``'s plan. Keeps a loaded resume state if it is for this epoch."""
@@ -852,21 +847,6 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
         """Token grid → SP degree of its batches on this sampler's world size (1: data parallel)."""
         return {tuple(int(v) for v in g): int(k) for g, k in zip(self.bucket_grids, self.bucket_degrees, strict=True)
                 if k > 0}
-
-    def report(self) -> str:
-        """Human-readable plan summary (counts, padding/drops, predicted compute CV)."""
-        st = self.plan_stats
-        lines = [
-            f"{type(self).__name__}: {st['num_samples']} samples in {len(self.bucket_grids)} buckets, "
-            f"{st['num_steps']} steps x {st['num_replicas']} ranks (balance={st['balance']!r})",
-            f"  padded: {st['padded_batches']} batches / {st['padded_samples']} samples; dropped: "
-            f"{st['dropped_batches']} batches / {st['dropped_samples']} samples; skipped oversize: "
-            f"{st['skipped_oversize']} samples",
-            f"  predicted compute CV {st['compute_cv']:.2%}, bubble {st['bubble']:.2%}",
-        ]
-        if st["num_steps"] == 0:
-            lines.append("  WARNING: the plan has no steps (dataset smaller than one global batch with drop_last)")
-        return "\n".join(lines)
 
 
 class _EpochHook:

@@ -177,11 +177,6 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             self._shapes = shapes if shapes.dtype.kind in "iu" else shapes.astype(np.int64)
         return self._shapes
 
-    @property
-    def frozen(self) -> bool:
-        """True once training batches were drawn: the policy and cost model can no longer change."""
-        return self._drawn
-
     # ------------------------------------------------------------------ policy
     def set_policy(self, policy: BatchSizePolicy) -> None:
         """Replace the batch-size policy before the first training epoch (the plan is rebuilt).

@@ -431,19 +431,6 @@ class RectifiedFlowModule(pl.LightningModule):
         seed = self.hparams.get("seed")
         return int(os.environ.get("PL_GLOBAL_SEED", 0)) if seed is None else int(seed)
 
-    def sample_timesteps(
-        self,
-        batch_size: int,
-        device: torch.device | None = None,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """Draw ``batch_size`` flow times in [0, 1] from Wan's shifted schedule.
-
-        From ``generator`` when given (on ``device``), else from the global RNG.
-        """
-        u = torch.rand(batch_size, device=self.device if device is None else device, generator=generator)
-        return shift_timesteps(u, self.hparams.timestep_shift)
-
     def noise_generator(
         self,
         device: torch.device | str | None = None,

@@ -35,17 +35,6 @@ def test_shift_timesteps_formula():
     assert shift_timesteps(torch.tensor(0.5), 5.0).item() == pytest.approx(2.5 / 3)
 
 
-def test_sample_timesteps_uses_shifted_uniform():
-    module = _module(timestep_shift=3.0)
-    torch.manual_seed(7)
-    t = module.sample_timesteps(1000)
-    torch.manual_seed(7)
-    u = torch.rand(1000)
-    torch.testing.assert_close(t, 3.0 * u / (1 + 2.0 * u), rtol=0, atol=0)
-    # The shift pushes mass towards noise: median of t is shift(0.5) = 0.75.
-    assert t.median().item() == pytest.approx(0.75, abs=0.05)
-
-
 class _Recorder(nn.Module):
     def __init__(self):
         super().__init__()
