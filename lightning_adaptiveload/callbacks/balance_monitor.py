@@ -36,6 +36,7 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from typing_extensions import override
@@ -47,9 +48,11 @@ from lightning_adaptiveload.geometry import tokens_of
 
 _FIELDS = ("step_time", "forward_time", "compute", "tokens", "peak_mem", "flops", "data_wait", "alloc_retries",
            "device_allocs")
-# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by device name, for MFU. Others: pass `peak_tflops`.
-PEAK_BF16_TFLOPS: dict[str, float] = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0,
-                                      "L40S": 362.0, "B200": 2250.0}
+# Dense bf16 peaks (TFLOP/s) of GPUs that Lightning's `get_available_flops` does not give (Lightning 2.6):
+# for the name "NVIDIA H200" it warns "FLOPs not found" and returns None (it knows only "h200 sxm1" /
+# "h200 nvl1", and their bf16 entries, 2,000 / 1,700 TFLOP/s, are the with-sparsity figures). The H200 has
+# the H100 SXM's tensor cores: 989 TFLOP/s dense bf16 (Lightning's H100 SXM entry: 989.4).
+_DENSE_BF16_TFLOPS: dict[str, float] = {"H200": 989.0}
 
 
 def _allocator_counts(device: torch.device) -> tuple[int, int]:
@@ -63,10 +66,16 @@ def _allocator_counts(device: torch.device) -> tuple[int, int]:
 
 
 def _device_peak_tflops(device: torch.device) -> float | None:
+    """Dense bf16 peak of ``device`` in TFLOP/s: Lightning's ``get_available_flops``, or
+    :data:`_DENSE_BF16_TFLOPS` where it has none; ``None`` off CUDA (then no MFU is logged)."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+    known = next((v for k, v in _DENSE_BF16_TFLOPS.items() if k in name), None)
+    if known is not None:
+        return known
+    flops = get_available_flops(device, torch.bfloat16)
+    return None if flops is None else flops / 1e12
 
 
 def batch_shape_of(pl_module: Any, batch: Any) -> tuple[int, int]:
@@ -123,7 +132,7 @@ class BalanceMonitor(Callback):
         warmup_steps: steps at the start of fit left out of :meth:`summary` and the report (compile,
             allocator and cuDNN warm-up).
         peak_tflops: the device's peak for MFU; ``None``: dense bf16 of known GPUs
-            (:data:`PEAK_BF16_TFLOPS`), no MFU elsewhere.
+            (Lightning's ``get_available_flops``; the H200, which it lacks, at 989), no MFU elsewhere.
 
     Raises:
         ValueError: a non-positive ``log_every_n_steps``, ``p`` or ``peak_tflops``, or a negative

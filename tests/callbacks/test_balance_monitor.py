@@ -285,3 +285,21 @@ def test_per_shape_report_compares_training_steps_with_the_cost_model(tmp_path, 
     assert [r["mfu"] for r in rows] == pytest.approx([0.08, 0.12])
     out = " ".join(capsys.readouterr().out.split())
     assert "Per batch shape (rank 0)" in out and "2.500" in out and "1.667" in out
+
+
+def test_peak_flops_come_from_lightning_except_the_h200(monkeypatch):
+    from lightning.fabric.utilities.throughput import get_available_flops
+
+    from lightning_adaptiveload.callbacks.balance_monitor import _device_peak_tflops
+
+    cuda = torch.device("cuda", 0)
+    name = {"value": "NVIDIA H200"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name["value"])
+    with pytest.warns(UserWarning, match="FLOPs not found"):  # why the H200 has its own entry
+        assert get_available_flops(cuda, torch.bfloat16) is None
+    assert _device_peak_tflops(cuda) == 989.0  # dense bf16: MFU = model FLOPs / 989e12
+    name["value"] = "NVIDIA H100 80GB HBM3"
+    assert _device_peak_tflops(cuda) == pytest.approx(989.4)  # Lightning's H100 SXM entry
+    name["value"] = "NVIDIA A100-SXM4-80GB"
+    assert _device_peak_tflops(cuda) == pytest.approx(312.0)
+    assert _device_peak_tflops(torch.device("cpu")) is None
