@@ -22,15 +22,17 @@ replay calls that take turns over enough copies of the inputs that every call fi
 modulation evicted, as in a training step where other layers run between two AdaLN calls. At
 shapes far larger than L2 the two agree.
 
-    python benchmarks/bench_adaln.py --out benchmarks/results/adaln_h200
-    python benchmarks/bench_adaln.py --out /tmp/small --providers ours --shapes '4,1560,1536'
-    python benchmarks/bench_adaln.py --out /tmp/no_clusters --providers ours --cluster 1   # launch options
+    python benchmarks/bench_adaln.py                   # appends its rows to benchmarks/results/adaln.csv
+    python benchmarks/bench_adaln.py --out /tmp/small.csv --providers ours --shapes '4,1560,1536'
+    python benchmarks/bench_adaln.py --out /tmp/no_clusters.csv --providers ours --cluster 1   # launch options
+
+Every row carries the run's hardware, commit, date, torch version, measured copy bandwidth, L2 size and mode
+and launch options.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import itertools
 import json
@@ -40,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 import triton.testing
+from _results import RESULTS, commit, hardware, now, write_csv_run
 
 from lightning_adaptiveload.ops import AdaLNLaunchOptions, adaln, adaln_ref
 
@@ -219,7 +222,7 @@ def _parse_shapes(text: str) -> list[tuple[int, int, int]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/results/adaln_h200")
+    parser.add_argument("--out", default=str(RESULTS / "adaln.csv"), help="CSV result file (rows appended)")
     parser.add_argument(
         "--shapes", default="all", help="'all', 'quick' (first shape only) or shapes 'B,N,D;B,N,D' (e.g. '4,1560,1536')"
     )
@@ -239,6 +242,7 @@ def main() -> None:
     )
     torch._dynamo.config.cache_size_limit = 64
     bw = copy_bandwidth()
+    run = {"hardware": hardware(), "commit": commit(), "date": now()}
     rows = []
     shapes = {"all": SHAPES, "quick": SHAPES[:1]}.get(args.shapes) or _parse_shapes(args.shapes)
     print(f"copy bandwidth: {bw / 1e9:.0f} GB/s on {torch.cuda.get_device_name()}, L2 {_l2_bytes() / 2**20:.0f} MiB")
@@ -280,7 +284,7 @@ def main() -> None:
                 )  # fmt: skip
                 torch.cuda.empty_cache()
                 print(_fmt(rows[-1]), flush=True)
-                _write(args.out, bw, rows, args.l2, options)  # after every row, so a cut-short run keeps what it measured
+                _write(args.out, run, bw, rows, args.l2, options)  # after every row, so a cut-short run keeps what it measured
     print(HEADER)
     for r in rows:
         print(_fmt(r))
@@ -290,17 +294,12 @@ def _l2_bytes() -> int:
     return int(getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0))
 
 
-def _write(out: str, bw: float, rows: list[dict], l2: str, options: AdaLNLaunchOptions) -> None:
+def _write(out: str, run: dict, bw: float, rows: list[dict], l2: str, options: AdaLNLaunchOptions) -> None:
     meta = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_gbps": bw / 1e9,
-        "l2_cache_mb": _l2_bytes() / 2**20, "l2": l2, "launch_options": dataclasses.asdict(options),
+        **run, "torch": torch.__version__, "copy_bandwidth_gbps": bw / 1e9, "l2_cache_mb": _l2_bytes() / 2**20,
+        "l2": l2, "launch_options": json.dumps(dataclasses.asdict(options)),
     }  # fmt: skip
-    with open(out + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    with open(out + ".csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv_run(out, meta, rows)
 
 
 if __name__ == "__main__":

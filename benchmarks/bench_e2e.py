@@ -19,11 +19,12 @@ fitted cost model is stored next to each measurement.
 The full depth of the preset (all 30 blocks of Wan 2.1 1.3B) is the default; ``--blocks N`` runs
 fewer, and the output says so. Launch with the devices Lightning should use::
 
-    python benchmarks/bench_e2e.py --devices 1 --out benchmarks/results/e2e_h200x1.json
+    python benchmarks/bench_e2e.py --devices 1       # appends a record to benchmarks/results/e2e.json
     python benchmarks/bench_e2e.py --model tiny --mixture tiny --accelerator cpu --devices 1 \\
         --steps 3 --warmup 1 --out /tmp/e2e_tiny.json                                    # CPU smoke
 
-Writes the JSON given by ``--out`` (on rank 0) and prints a markdown table.
+Appends a record (hardware, commit, date, result) to the JSON result file ``--out`` (on rank 0) and prints
+a markdown table.
 """
 
 from __future__ import annotations
@@ -32,9 +33,13 @@ import argparse
 import datetime
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import RESULTS, append_record  # noqa: E402
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "dual_cost": {"label": "(c) dual constraint + cost-balanced steps", "bucketing": "dual_constraint",
@@ -75,7 +80,7 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=4, help="data.datamodule.num_workers")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--override", action="append", default=[], help="extra Hydra override (repeatable)")
-    p.add_argument("--out", default="benchmarks/results/e2e.json", help="result JSON")
+    p.add_argument("--out", default=str(RESULTS / "e2e.json"), help="JSON result file (record appended)")
     args = p.parse_args(argv)
     unknown = [c for c in args.configs.split(",") if c not in CONFIGS]
     if unknown:
@@ -302,12 +307,11 @@ def main(argv: list[str] | None = None) -> int:
         },
         "runs": runs,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    append_record(out, "bench_e2e.py", result)
     depth = "full depth" if blocks is None else f"{blocks} blocks only (not the full model)"
     print(f"\n{args.model}, {depth}, {args.mixture}, {trainer.world_size} device(s)\n")
     print(_table(result))
-    print(f"\nwrote {out}")
+    print(f"\nappended to {out}")
     return 0
 
 

@@ -6,21 +6,20 @@ resume re-plan under another world size (half the epoch taken, world size halved
 Python-heap memory of each (tracemalloc: numpy arrays included) plus the process's peak RSS.
 
 Usage: python benchmarks/bench_sampler.py [--sizes 1000000 10000000] [--world-sizes 8 1024]
-Writes benchmarks/results/sampler_cpu.json.
+Appends a record to benchmarks/results/sampler.json (``--out`` for another file).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import resource
 import time
 import tracemalloc
 from functools import partial
-from pathlib import Path
 
 import numpy as np
+from _results import RESULTS, append_record
 
 from lightning_adaptiveload.bucketing.policy import DualConstraintPolicy
 from lightning_adaptiveload.bucketing.sampler import AdaptiveBucketBatchSampler
@@ -48,7 +47,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 10_000_000])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[8, 1024])
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "sampler_cpu.json"))
+    parser.add_argument("--out", default=str(RESULTS / "sampler.json"), help="JSON result file (record appended)")
     args = parser.parse_args()
 
     mixture = get_mixture("wan_mixed_480p_720p")
@@ -83,9 +82,8 @@ def main() -> None:
     out = {"machine": platform.processor() or platform.machine(), "python": platform.python_version(),
            "numpy": np.__version__, "policy": repr(policy), "mixture": "wan_mixed_480p_720p",
            "process_peak_rss_mb": rss_mb, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
-    print(f"wrote {args.out}")
+    append_record(args.out, "bench_sampler.py", out)
+    print(f"appended to {args.out}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@
    they are in the page cache: this measures parse + conversion + collation, not a disk.
 
 Usage: python benchmarks/bench_shards.py [--sizes 10000000 100000000] [--load-samples 48]
-Writes benchmarks/results/shards_cpu.json.
+Appends a record to benchmarks/results/shards.json (``--out`` for another file).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _results import RESULTS, append_record
 
 
 def _peak_rss_mb() -> float:
@@ -191,7 +192,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000_000, 100_000_000])
     parser.add_argument("--load-samples", type=int, default=48)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "shards_cpu.json"))
+    parser.add_argument("--out", default=str(RESULTS / "shards.json"), help="JSON result file (record appended)")
     parser.add_argument("--measure-index", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure_index:
@@ -218,9 +219,8 @@ def main() -> None:
         results["loading"] = measure_loading(Path(tmp), args.load_samples)
         print(json.dumps(results["loading"]), flush=True)
     results["load_average_at_end"] = os.getloadavg()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=1))
-    print(f"wrote {args.out}")
+    append_record(args.out, "bench_shards.py", results)
+    print(f"appended to {args.out}")
 
 
 if __name__ == "__main__":

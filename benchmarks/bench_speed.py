@@ -12,7 +12,7 @@ the first ``--warmup`` steps are left out; the median of the rest is kept per sh
 MFU = model FLOPs of forward + backward (``FlowMatchingModule.flops_per_sample``: every matmul, attention
 included, recompute not counted) / step time / peak (989 TFLOP/s dense bf16 for H100/H200).
 
-    python benchmarks/bench_speed.py --out benchmarks/results/speed_h200x1.json
+    python benchmarks/bench_speed.py          # appends a record to benchmarks/results/speed.json
     python benchmarks/bench_speed.py --model tiny --shapes 2x1x4x4,1x3x4x6 --accelerator cpu \\
         --settings eager_full --steps 2 --warmup 1 --out /tmp/speed_tiny.json            # CPU smoke
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import platform
 import statistics
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import RESULTS, append_record, run_info  # noqa: E402
 from bench_e2e import _compose  # noqa: E402  (the same Hydra composition as the end-to-end benchmark)
 
 # name -> (model.compile, model.activation_checkpointing, fused AdaLN callback)
@@ -80,7 +80,7 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--override", action="append", default=[], help="extra Hydra override (repeatable)")
     p.add_argument("--trace-steps", type=int, default=0,
                    help="profile the last N steps of each setting with torch.profiler (host vs device time)")
-    p.add_argument("--out", default="benchmarks/results/speed.json")
+    p.add_argument("--out", default=str(RESULTS / "speed.json"), help="JSON result file (record appended)")
     args = p.parse_args(argv)
     bad = [s for s in args.settings.split(",") + args.loss_settings.split(",") if s not in SETTINGS]
     if bad:
@@ -258,9 +258,10 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {},
     }
 
+    run_id = run_info()
+
     def save():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1))
+        append_record(out, "bench_speed.py", result, run_id)
 
     for setting in args.settings.split(","):
         compile_, ckpt, fused = SETTINGS[setting]
@@ -303,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             result["loss_curves"]["max_rel_diff"] = max(diffs)
         save()
     print(_table(result))
-    print(f"wrote {out}")
+    print(f"appended to {out}")
     return 0
 
 

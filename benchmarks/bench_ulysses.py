@@ -13,13 +13,13 @@ not measured here.
 from __future__ import annotations
 
 import argparse
-import json
 import socket
 import statistics
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _results import append_record
 
 from lightning_adaptiveload.models.wan import WAN_CONFIGS, WanModel
 from lightning_adaptiveload.parallel.ulysses import UlyssesGroup
@@ -52,7 +52,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--json", default=None, help="JSON result file to append a record to")
     args = parser.parse_args()
     torch.cuda.set_device(0)
     with socket.socket() as s:
@@ -91,8 +91,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
     }
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
+        append_record(args.json, "bench_ulysses.py", result)
     dist.destroy_process_group()
 
 

@@ -27,13 +27,13 @@ from __future__ import annotations
 import argparse
 import cProfile
 import functools
-import json
 import platform
 import pstats
 import statistics
 import time
 
 import torch
+from _results import append_record
 
 from lightning_adaptiveload.ops import _adaln, adaln, adaln_ref, adaln_unsupported_reason
 
@@ -181,7 +181,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds; the table shows their median")
-    parser.add_argument("--json", default=None, help="write the per-round numbers here")
+    parser.add_argument("--json", default=None, help="append the per-round numbers to this result file, e.g. benchmarks/results/host_overhead_adaln.json")
     parser.add_argument("--profile", action="store_true", help="also print the top cProfile entries (eager)")
     parser.add_argument("--cuda", action="store_true", help="time the real kernels on the GPU instead")
     parser.add_argument("--shapes", default="1,32760,1536;4,1560,1536", help="with --cuda: 'B,N,D;B,N,D'")
@@ -193,8 +193,7 @@ def main() -> None:
                 "x_dtype": "bf16", "modulation": "fp32 [B, 6, D] chunk views", "out_dtype": "bf16",
                 "calls": min(args.calls, 200), "repeats": args.repeats}  # fmt: skip
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+            append_record(args.json, "host_overhead_adaln.py --cuda", {"meta": meta, "rows": rows})
         return
     _install_stub()
     x = torch.randn(1, 8, 64, requires_grad=True)
@@ -238,8 +237,7 @@ def main() -> None:
         meta = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
                 "calls": args.calls, "repeats": args.repeats, "shape": [1, 8, 64],
                 "note": "CPU, extension stubbed: host cost only; includes torch.autograd.grad and e.chunk(6)"}  # fmt: skip
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": results}, f, indent=1)
+        append_record(args.json, "host_overhead_adaln.py", {"meta": meta, "rows": results})
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()

@@ -4,17 +4,20 @@
 - ``<stem>_step_times.png``: the per-step time of the slowest rank, per configuration;
 - ``<stem>_loss.png``: ``train/loss`` per step of every configuration (same seed).
 
-    python benchmarks/plot_e2e.py benchmarks/results/e2e_h200x1.json
+    python benchmarks/plot_e2e.py benchmarks/results/e2e.json [--record N]     # default: the last record
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import load_result  # noqa: E402
 
 ORDER = ("equal_token", "dual", "dual_cost", "dual_cost_fused")
 
@@ -70,10 +73,11 @@ def plot(result: dict[str, Any], stem: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("result", help="bench_e2e.py JSON")
+    p.add_argument("result", help="bench_e2e.py result file")
+    p.add_argument("--record", type=int, default=-1, help="which record of the file (default: the last)")
     args = p.parse_args(argv)
     path = Path(args.result)
-    for out in plot(json.loads(path.read_text()), path.with_suffix("")):
+    for out in plot(load_result(path, args.record), path.with_suffix("")):
         print(f"wrote {out}")
     return 0
 

@@ -1,14 +1,15 @@
 """Plot a bench_speed.py result: per-shape tokens/s and MFU per setting, and the loss curves.
 
-    python benchmarks/plot_speed.py benchmarks/results/speed_h200x1.json
+    python benchmarks/plot_speed.py benchmarks/results/speed.json      # the file's last record
 Writes ``<stem>_shapes.png`` and, when the result has loss curves, ``<stem>_loss.png`` next to the JSON.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
+
+from _results import load_result
 
 
 def main(path: str) -> int:
@@ -18,7 +19,7 @@ def main(path: str) -> int:
     import matplotlib.pyplot as plt
 
     src = Path(path)
-    result = json.loads(src.read_text())
+    result = load_result(src)
     settings = {k: v for k, v in result["settings"].items() if "per_shape" in v}
     shapes = list(next(iter(settings.values()))["per_shape"]) if settings else []
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))

@@ -1,18 +1,18 @@
 """Print the markdown tables of docs/benchmarks.md from the result files in benchmarks/results/.
 
     python benchmarks/render_tables.py            # all tables
-    python benchmarks/render_tables.py adaln      # one of: adaln, sampler, e2e
+    python benchmarks/render_tables.py adaln      # one of: adaln, sampler
 """
 
 from __future__ import annotations
 
 import csv
-import json
 import math
 import sys
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import RESULTS, load_result  # noqa: E402
 
 
 def _pct(v: float) -> str:
@@ -28,12 +28,15 @@ PROVIDER_LABELS = {"same_bytes": "same bytes, no math (reference)"}
 
 
 def adaln() -> str:
-    meta = json.loads((RESULTS / "adaln_h200.json").read_text())["meta"]
-    rows = list(csv.DictReader((RESULTS / "adaln_h200.csv").open()))
+    """The latest run in ``adaln.csv`` (its rows share one commit and date)."""
+    rows = list(csv.DictReader((RESULTS / "adaln.csv").open()))
+    latest = max((r["date"], r["commit"]) for r in rows)
+    rows = [r for r in rows if (r["date"], r["commit"]) == latest]
+    meta = rows[0]
     out = [
-        f"{meta['device']}, torch {meta['torch']}, copy bandwidth {meta['copy_bandwidth_gbps']:,.0f} GB/s "
+        f"{meta['hardware']}, torch {meta['torch']}, copy bandwidth {float(meta['copy_bandwidth_gbps']):,.0f} GB/s "
         "(measured in the same run). Times in ms (CUDA-graph replay); % = fraction of copy bandwidth; "
-        f"cold = every call's inputs evicted from L2 ({meta.get('l2_cache_mb', 0):.0f} MiB) first.",
+        f"cold = every call's inputs evicted from L2 ({float(meta.get('l2_cache_mb') or 0):.0f} MiB) first.",
         "",
         "| shape (B, N, D) | x | provider | fwd ms | fwd % | fwd+bwd ms | fwd+bwd % | fwd % cold | fwd+bwd % cold "
         "| activations kept (MB) |",
@@ -41,7 +44,7 @@ def adaln() -> str:
     ]
     # "-": not measured (result files from before the cold columns, or a run with --l2 warm / cold);
     # "failed": measured and failed.
-    modes = meta.get("l2", "both" if "fwd_frac_copy_bw_cold" in (rows[0] if rows else {}) else "warm")
+    modes = meta.get("l2") or ("both" if meta.get("fwd_frac_copy_bw_cold") else "warm")
     warm, cold = modes != "cold", modes != "warm"
 
     def cell(r: dict, key: str, fmt, measured: bool) -> str:
@@ -61,7 +64,7 @@ def adaln() -> str:
 
 
 def sampler() -> str:
-    d = json.loads((RESULTS / "sampler_cpu.json").read_text())
+    d = load_result(RESULTS / "sampler.json")
     out = [
         "| samples | ranks | build s | plan s | resume re-plan s | heap MB (plan / resume) | steps | predicted compute CV |",
         "|---|---|---|---|---|---|---|---|",
@@ -76,33 +79,7 @@ def sampler() -> str:
     return "\n".join(out)
 
 
-def e2e(name: str = "e2e_h200x2") -> str:
-    d = json.loads((RESULTS / f"{name}.json").read_text())
-    runs = d["runs"]
-    base = runs["equal_token"]["tokens_per_s"]
-    out = [
-        "| run | steps | tokens/s | vs (1) | samples/s | step-time CV | compute CV (pred.) | bubble | peak GiB | profiling s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in runs.values():
-        out.append(
-            f"| {r['label']} | {r['measured_steps']} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base - 1:+.1%} | "
-            f"{r['samples_per_s']:.2f} | {r['step_time_cv']:.1%} | {r['compute_cv']:.1%} | {r['bubble']:.1%} | "
-            f"{r['peak_memory_gib']:.1f} | {r['profiling_overhead_s']:.1f} |"
-        )
-    sb = d["shape_benchmark"]
-    for key in ("cost_model", "power_model"):
-        m = sb[key]
-        q = m["quality"]
-        params = ", ".join(f"{k}={v:.4g}" for k, v in m["params"].items())
-        out.append(
-            f"\n{key.replace('_', ' ')}: {m['form']} ({params}); R² {q['r2']:.4f}, median rel. error "
-            f"{q['median_rel_error']:.1%}, held-out median {q['heldout_median_rel_error']:.1%}."
-        )
-    return "\n".join(out)
-
-
-TABLES = {"adaln": adaln, "sampler": sampler, "e2e": e2e}
+TABLES = {"adaln": adaln, "sampler": sampler}
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or list(TABLES):

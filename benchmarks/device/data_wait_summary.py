@@ -2,7 +2,7 @@
 
     python benchmarks/device/data_wait_summary.py WORK OUT.json MODE WORKERS STEPS WARMUP T0 T1 T2
 
-WORK holds ``train.log``, ``run/`` (the CSV logger's ``metrics.csv``) and ``corpus/corpus.json``;
+Appends a record to OUT.json (a result file). WORK holds ``train.log``, ``run/`` (the CSV logger's ``metrics.csv``) and ``corpus/corpus.json``;
 T0, T1, T2 are the epoch seconds at the start, after writing the corpus and after training.
 """
 
@@ -14,6 +14,9 @@ import re
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _results import append_record  # noqa: E402
 
 
 def main(argv: list[str]) -> None:
@@ -53,7 +56,7 @@ def main(argv: list[str]) -> None:
         "per_step": per_step, "write_corpus_s": t1 - t0, "train_wall_s": t2 - t1,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    Path(out).write_text(json.dumps(result, indent=1))
+    append_record(out, "device/gpu_data_wait.sh", result)
     print(json.dumps({k: v for k, v in result.items() if k != "per_step"}, indent=1))
 
 

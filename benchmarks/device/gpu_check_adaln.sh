@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The fused AdaLN op on a CUDA machine: its GPU tests, then what one eager forward+backward call
 # costs at Wan 2.1 1.3B's video and image shapes (wall time per call against the kernels' GPU time
-# and against eager PyTorch). Writes the timing JSON to $1 and exits with the tests' status.
+# and against eager PyTorch). Appends the timing record to the result file $1 and exits with the tests' status.
 #
-#     bash benchmarks/device/gpu_check_adaln.sh /tmp/out/adaln_eager_calls.json
+#     bash benchmarks/device/gpu_check_adaln.sh /tmp/out/host_overhead_adaln.json
 #
 # The extension builds on first use (1-2 min on an H200) for the GPU's architecture, whatever
 # TORCH_CUDA_ARCH_LIST says; the tests and the timing share that build.

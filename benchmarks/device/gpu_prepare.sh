@@ -9,7 +9,8 @@
 # shards); without PyAV only the VAE-alone measurement runs. It also times the VAE alone on
 # pre-made pixels (batch 1 and BATCH), which separates decoding from encoding.
 # The text encoder is a tiny random UMT5 (2 layers, d_model 4096) with a word-level tokenizer: the
-# JSON says so, and its cost is far below umT5-XXL's. Writes clips/s per GPU to OUT.json.
+# JSON says so, and its cost is far below umT5-XXL's. Appends clips/s per GPU to OUT.json (a result file,
+# e.g. benchmarks/results/prepare.json).
 set -euo pipefail
 OUT_JSON=${1:?usage: benchmarks/device/gpu_prepare.sh OUT.json [NUM_CLIPS] [BATCH]}
 NUM_CLIPS=${2:-200}

@@ -2,7 +2,7 @@
 
     python benchmarks/device/prepare_bench.py WORK NUM_CLIPS BATCH OUT.json     # or under torchrun
 
-See ``gpu_prepare.sh`` for what is measured and written.
+See ``gpu_prepare.sh`` for what is measured; appends a record to OUT.json (a result file).
 """
 
 import json
@@ -14,6 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _results import append_record  # noqa: E402
 
 FRAMES, HEIGHT, WIDTH = 33, 480, 832
 WORDS = ["a", "cat", "dog", "red", "blue", "car", "runs", "on", "the", "street", "at", "night", "slowly"]
@@ -142,7 +145,7 @@ def main():
             "torch": torch.__version__, "diffusers": diffusers.__version__,
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
-        Path(out_json).write_text(json.dumps(out, indent=1))
+        append_record(out_json, "device/gpu_prepare.sh", out)
         print(json.dumps(out, indent=1))
     if world > 1:
         torch.distributed.destroy_process_group()

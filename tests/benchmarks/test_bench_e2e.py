@@ -26,7 +26,10 @@ def result(tmp_path_factory):
     assert bench.main(["--model", "tiny", "--mixture", "tiny", "--num-samples", "200", "--accelerator", "cpu",
                        "--devices", "1", "--steps", "3", "--warmup", "1", "--workers", "0", "--m-mem", "0",
                        "--configs", "dual_cost,equal_token", "--profile-budget", "10", "--out", str(out)]) == 0
-    return json.loads(out.read_text())
+    (record,) = json.loads(out.read_text())  # a result file: one record per run
+    assert record["benchmark"] == "bench_e2e.py" and record["hardware"].startswith("CPU")
+    assert record["commit"] and record["date"]
+    return record["result"]
 
 
 def test_each_configuration_is_one_plugin_run(result):

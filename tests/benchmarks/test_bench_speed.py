@@ -25,7 +25,9 @@ def test_runs_pinned_shapes_through_the_product_and_records_losses(tmp_path):
                        "--settings", "eager_full,eager_full_fused", "--steps", "2", "--warmup", "1",
                        "--loss-steps", "4", "--loss-shape", "2x1x4x4", "--loss-settings", "eager_full,eager_full_fused",
                        "--out", str(out)]) == 0
-    result = json.loads(out.read_text())
+    (record,) = json.loads(out.read_text())  # saved after every setting: one record for the run, replaced
+    assert {"hardware", "commit", "date"} <= set(record)
+    result = record["result"]
     for name in ("eager_full", "eager_full_fused"):
         entry = result["settings"][name]
         assert "error" not in entry, entry.get("error")

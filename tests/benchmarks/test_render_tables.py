@@ -1,11 +1,9 @@
-"""benchmarks/render_tables.py: the AdaLN table from result files of each format bench_adaln.py has
-written (warm only, before the cold columns; warm and cold; one mode with --l2)."""
+"""benchmarks/render_tables.py: the AdaLN table from the latest run in adaln.csv, for each kind of run
+bench_adaln.py has written (warm only, before the cold columns; warm and cold; one mode with --l2)."""
 
 from __future__ import annotations
 
-import csv
 import importlib.util
-import json
 import math
 from pathlib import Path
 
@@ -20,14 +18,15 @@ def render(tmp_path, monkeypatch):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     monkeypatch.setattr(module, "RESULTS", tmp_path)
+    from _results import write_csv_run  # benchmarks/ is on sys.path once render_tables is loaded
 
     def write(rows: list[dict], **meta) -> list[str]:
-        meta = {"device": "GPU", "torch": "2.x", "copy_bandwidth_gbps": 4000.0, **meta}
-        (tmp_path / "adaln_h200.json").write_text(json.dumps({"meta": meta, "rows": rows}))
-        with (tmp_path / "adaln_h200.csv").open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        # An older run first: the table shows only the latest run's rows.
+        old = {"hardware": "1x GPU", "commit": "a" * 40, "date": "2026-01-01T00:00:00+00:00", "torch": "2.x",
+               "copy_bandwidth_gbps": 1.0}  # fmt: skip
+        run = {**old, "commit": "b" * 40, "date": "2026-02-01T00:00:00+00:00", "copy_bandwidth_gbps": 4000.0, **meta}
+        write_csv_run(tmp_path / "adaln.csv", old, [_row("old")])
+        write_csv_run(tmp_path / "adaln.csv", run, rows)
         return [line for line in module.adaln().splitlines() if line.startswith("| (")]
 
     return write
