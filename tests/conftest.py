@@ -1,7 +1,13 @@
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# Scripts the tests launch in subprocesses (and media writers they share) live in tests/helpers/; the tests
+# also import their constants, so the folder is importable.
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 
 
 def pytest_collection_modifyitems(config, items):

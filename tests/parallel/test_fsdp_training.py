@@ -16,8 +16,7 @@ from lightning_adaptiveload.models.flow_matching import draw_seed, rectified_flo
 from lightning_adaptiveload.models.wan import WanModel
 from lightning_adaptiveload.models.wan_weights import load_wan_weights_
 
-SCRIPT = Path(__file__).with_name("fsdp2_script.py")
-sys.path.insert(0, str(SCRIPT.parent))
+SCRIPT = Path(__file__).parents[1] / "helpers" / "fsdp2_script.py"  # importable too: tests/conftest.py
 from fsdp2_script import CLIP, LR, SEED  # noqa: E402
 
 

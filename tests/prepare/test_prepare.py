@@ -234,7 +234,7 @@ def _train(index: Path, out: Path, record: Path, *extra: str) -> subprocess.Comp
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK",
                                                             "WORLD_SIZE", "NODE_RANK")}  # fmt: skip
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    script = Path(__file__).with_name("train_from_shards.py")
+    script = Path(__file__).parents[1] / "helpers" / "train_from_shards.py"
     return subprocess.run([sys.executable, str(script), str(index), str(out), str(record), *extra], env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
 

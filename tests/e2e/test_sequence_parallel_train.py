@@ -13,8 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-SCRIPT = Path(__file__).with_name("sp_train_script.py")
-sys.path.insert(0, str(SCRIPT.parent))
+SCRIPT = Path(__file__).parents[1] / "helpers" / "sp_train_script.py"  # importable too: tests/conftest.py
 from sp_train_script import NUM_SAMPLES  # noqa: E402
 
 from lightning_adaptiveload.data.synthetic import SyntheticMixedDataset  # noqa: E402

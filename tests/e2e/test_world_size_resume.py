@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).with_name("fit_script.py")
-sys.path.insert(0, str(SCRIPT.parent))
+SCRIPT = Path(__file__).parents[1] / "helpers" / "fit_script.py"  # importable too: tests/conftest.py
 from fit_script import NUM_SAMPLES  # noqa: E402
 
 
