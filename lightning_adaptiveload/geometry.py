@@ -54,8 +54,8 @@ def token_grid(
     f, h, w = _check_triple("latent", latent)
     if f % pt or h % ph or w % pw:
         raise ValueError(
-            f"Latent shape {tuple(latent)} is not divisible by patch size {tuple(patch_size)}; "
-            "crop the sample to a multiple of vae_stride*patch_size."
+            f"Latent shape (F, H, W)={tuple(latent)} is not divisible by patch_size={tuple(patch_size)}; "
+            "crop or pad the sample to a multiple of vae_stride*patch_size."
         )
     return f // pt, h // ph, w // pw
 
@@ -88,6 +88,21 @@ def latent_of_grid(grid: Sequence[int], patch_size: Sequence[int] = PATCH_SIZE) 
     pt, ph, pw = _check_triple("patch_size", patch_size)
     f, h, w = _check_triple("token_grid", grid)
     return f * pt, h * ph, w * pw
+
+
+def pixel_shape_of_latent(latent: Any, vae_stride: Sequence[int] = VAE_STRIDE) -> tuple[Any, Any, Any]:
+    """Latent shape (f, h, w) → the pixel clip (frames, height, width) a causal VAE encodes to exactly it
+    (the inverse of :func:`latent_shape` on stride multiples); ints or int arrays."""
+    st, sh, sw = _check_triple("vae_stride", vae_stride)
+    f, h, w = latent
+    return (f - 1) * st + 1, h * sh, w * sw
+
+
+def pixel_shape_of_grid(
+    grid: Sequence[int], vae_stride: Sequence[int] = VAE_STRIDE, patch_size: Sequence[int] = PATCH_SIZE
+) -> tuple[int, int, int]:
+    """Token grid (f, h, w) → the pixel clip (frames, height, width) that encodes and patchifies to exactly it."""
+    return pixel_shape_of_latent(latent_of_grid(grid, patch_size), vae_stride)
 
 
 def tokens_of(latents: Any, patch_size: Sequence[int] = PATCH_SIZE) -> tuple[int, int]:

@@ -33,10 +33,15 @@ from lightning_adaptiveload.data.media import (
     VIDEO_EXTENSIONS,
     CorruptSampleError,
     PatchPoolEncoder,
-    bucket_pixel_shape,
     load_pixels,
 )
-from lightning_adaptiveload.geometry import PATCH_SIZE, VAE_STRIDE, pixel_token_grids
+from lightning_adaptiveload.geometry import (
+    PATCH_SIZE,
+    VAE_STRIDE,
+    pixel_shape_of_grid,
+    pixel_shape_of_latent,
+    pixel_token_grids,
+)
 
 log = logging.getLogger(__name__)
 
@@ -342,10 +347,9 @@ def _validate(
         latent_dims = positive_ints(LATENT_COLUMNS, columns)
         # The pixel sizes whose VAE latent has this shape (rows with bad latent sizes are already
         # reported above, so their placeholder 1s are never read).
-        (st, sh, sw) = vae_stride
-        lf, lh, lw = (np.maximum(latent_dims[c], 1) for c in LATENT_COLUMNS)
-        columns = {**columns, "num_frames": pa.array((lf - 1) * st + 1), "height": pa.array(lh * sh),
-                   "width": pa.array(lw * sw)}
+        latent = [np.maximum(latent_dims[c], 1) for c in LATENT_COLUMNS]
+        frames, height, width = pixel_shape_of_latent(latent, vae_stride)
+        columns = {**columns, "num_frames": pa.array(frames), "height": pa.array(height), "width": pa.array(width)}
     dims = positive_ints(_DIMS, columns)
 
     ext = _extensions(paths)
@@ -384,14 +388,14 @@ def _validate(
         )
     )
 
-    (st, sh, sw), (pt, ph, pw) = vae_stride, patch_size
-    min_frames = (pt - 1) * st + 1
+    # The smallest clip that gives one token: the pixels of a one-token grid.
+    min_frames, min_height, min_width = pixel_shape_of_grid((1, 1, 1), vae_stride, patch_size)
     too_small = {
         "num_frames": dims["num_frames"] < min_frames,
-        "height": dims["height"] < sh * ph,
-        "width": dims["width"] < sw * pw,
+        "height": dims["height"] < min_height,
+        "width": dims["width"] < min_width,
     }
-    minimum = {"num_frames": min_frames, "height": sh * ph, "width": sw * pw}
+    minimum = {"num_frames": min_frames, "height": min_height, "width": min_width}
     checks.append(
         (
             "smaller than one token",
@@ -748,7 +752,7 @@ class ManifestDataset(Dataset):
             latents = self._fit_latents(tensors[key], expected, path)
             file_context = tensors.get(self.context_key)
         else:
-            pixels = load_pixels(path, *bucket_pixel_shape(grid, self.vae_stride, self.patch_size))
+            pixels = load_pixels(path, *pixel_shape_of_grid(grid, self.vae_stride, self.patch_size))
             latents = self.encoder(pixels)
             if tuple(latents.shape) != expected:
                 raise ValueError(

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_adaptiveload.geometry import PATCH_SIZE, VAE_STRIDE
+from lightning_adaptiveload.geometry import VAE_STRIDE
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 VIDEO_EXTENSIONS = (".mp4", ".mov", ".mkv", ".webm", ".avi")
@@ -26,14 +26,6 @@ LATENT_EXTENSIONS = (".safetensors", ".pt")
 
 class CorruptSampleError(RuntimeError):
     """A sample's file exists but cannot be decoded or does not have the shape its manifest row says."""
-
-
-def bucket_pixel_shape(
-    grid: Sequence[int], vae_stride: Sequence[int] = VAE_STRIDE, patch_size: Sequence[int] = PATCH_SIZE
-) -> tuple[int, int, int]:
-    """Token grid (f, h, w) → the pixel clip (frames, height, width) that encodes to exactly it."""
-    (f, h, w), (st, sh, sw), (pt, ph, pw) = grid, vae_stride, patch_size
-    return (int(f) * pt - 1) * st + 1, int(h) * ph * sh, int(w) * pw * sw
 
 
 def sample_frame_indices(num_available: int, num_frames: int) -> np.ndarray:

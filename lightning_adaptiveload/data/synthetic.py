@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import Dataset
 
 from lightning_adaptiveload.data.mixtures import get_mixture
-from lightning_adaptiveload.geometry import PATCH_SIZE, VAE_STRIDE, pixel_token_grid
+from lightning_adaptiveload.geometry import PATCH_SIZE, VAE_STRIDE, latent_of_grid, pixel_token_grid
 
 _ENTRY_KEYS = ("num_frames", "height", "width")
 
@@ -168,9 +168,7 @@ class SyntheticMixedDataset(Dataset):
 
     def latent_grid(self, index: int) -> tuple[int, int, int]:
         """Latent (frames, height, width) of sample ``index``: its token grid times the patch."""
-        f, h, w = self._grids[self._component[index]]
-        pt, ph, pw = self.patch_size
-        return int(f) * pt, int(h) * ph, int(w) * pw
+        return latent_of_grid(self._grids[self._component[index]], self.patch_size)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         if not _is_int(index) or not 0 <= index < self.num_samples:

@@ -56,6 +56,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_ze
 from torch import nn
 from typing_extensions import override
 
+from lightning_adaptiveload.geometry import token_grid
 from lightning_adaptiveload.models.compiling import (
     check_compile_options,
     compile_blocks,
@@ -122,7 +123,7 @@ def _fused_model_forward(
 ) -> tuple[torch.Tensor] | Transformer2DModelOutput:
     b, _, frames, height, width = hidden_states.shape
     pt, ph, pw = self.config.patch_size
-    f, h, w = frames // pt, height // ph, width // pw
+    f, h, w = token_grid((frames, height, width), (pt, ph, pw))
     rotary_emb = self.rope(hidden_states)
     x = self.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()
 

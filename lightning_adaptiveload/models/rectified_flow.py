@@ -30,7 +30,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_adaptiveload.geometry import tokens_of
+from lightning_adaptiveload.geometry import latent_of_grid, tokens_of
 from lightning_adaptiveload.models.optim import adamw, clip_gradients, use_fused_adamw
 from lightning_adaptiveload.models.wan import (
     CHECKPOINTING_MODES,
@@ -407,7 +407,7 @@ class RectifiedFlowModule(pl.LightningModule):
         device = self.device if device is None else torch.device(device)
         gen = torch.Generator(device=device).manual_seed(seed)
         cfg = self.wan_config
-        shape = [int(g) * p for g, p in zip(grid, self.patch_size, strict=True)]
+        shape = latent_of_grid(grid, self.patch_size)
         return {
             self.batch_keys["latents"]: torch.randn(batch_size, cfg.in_dim, *shape, device=device, generator=gen),
             self.batch_keys["context"]: torch.randn(batch_size, cfg.text_len, cfg.text_dim, device=device,

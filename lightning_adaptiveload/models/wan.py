@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from lightning_adaptiveload import geometry
 from lightning_adaptiveload.models.compiling import compile_blocks as compile_repeated
 from lightning_adaptiveload.models.compiling import mark_dynamic, whole_block_graphs
 from lightning_adaptiveload.modules.adaln import AdaLayerNorm
@@ -622,12 +623,7 @@ class WanModel(nn.Module):
 
     def token_grid(self, latent_shape: tuple[int, int, int]) -> tuple[int, int, int]:
         """Latent (F, H, W) → token grid (f, h, w); raises if the patch does not divide it."""
-        if len(latent_shape) != 3 or any(s % p for s, p in zip(latent_shape, self.patch_size, strict=True)):
-            raise ValueError(
-                f"Latent shape (F, H, W)={tuple(latent_shape)} is not divisible by patch_size={self.patch_size}. "
-                "Crop or pad the latents to a multiple of the patch."
-            )
-        return tuple(s // p for s, p in zip(latent_shape, self.patch_size, strict=True))  # type: ignore[return-value]
+        return geometry.token_grid(latent_shape, self.patch_size)
 
     def forward(
         self,

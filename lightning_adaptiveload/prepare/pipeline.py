@@ -33,6 +33,7 @@ from lightning_adaptiveload.data.shards import (
     index_rows_to_table,
     write_index,
 )
+from lightning_adaptiveload.geometry import latent_of_grid
 from lightning_adaptiveload.prepare.buckets import Bucket, BucketRules, SkipSample
 from lightning_adaptiveload.prepare.encoders import caption_hash, clean_caption
 from lightning_adaptiveload.prepare.inputs import InputItem, probe
@@ -253,12 +254,11 @@ class Preparer:
             item: InputItem = record["item"]
             key = f"{item.row:09d}"
             ctx_np = ctx.float().cpu().numpy().astype(dtype)
-            expected_grid = bucket.grid
-            pt, ph, pw = self.rules.patch_size
-            if tuple(lat.shape[1:]) != (expected_grid[0] * pt, expected_grid[1] * ph, expected_grid[2] * pw):
+            expected_latent = latent_of_grid(bucket.grid, self.rules.patch_size)
+            if tuple(lat.shape[1:]) != expected_latent:
                 raise PrepareError(
                     f"the VAE turned {list(pixels.shape[1:])} pixels into latents {list(lat.shape)}; bucket "
-                    f"{bucket} expects latent {[g * p for g, p in zip(expected_grid, (pt, ph, pw), strict=True)]}. "
+                    f"{bucket} expects latent {list(expected_latent)}. "
                     "Check that --vae is a Wan 2.1 VAE (stride 4x8x8) and the bucket rules' vae_stride."
                 )
             found = record["probe"]

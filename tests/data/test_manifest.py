@@ -14,12 +14,11 @@ from lightning_adaptiveload.data.manifest import ManifestDataset, read_manifest_
 from lightning_adaptiveload.data.media import (
     CorruptSampleError,
     PatchPoolEncoder,
-    bucket_pixel_shape,
     load_video,
     resize_center_crop,
     sample_frame_indices,
 )
-from lightning_adaptiveload.geometry import pixel_token_grids
+from lightning_adaptiveload.geometry import pixel_shape_of_grid, pixel_token_grids
 
 # Rows without embeddings fall back to zeros with a warning; the tests that care assert it.
 pytestmark = pytest.mark.filterwarnings("ignore:.*has no text embedding:UserWarning")
@@ -355,7 +354,7 @@ def test_image_and_video_through_stand_in_encoder(tmp_path):
 
     video = ds[1]["latents"]
     assert video.shape == (16, 5, 8, 12)
-    assert bucket_pixel_shape((5, 4, 6)) == (17, 64, 96)
+    assert pixel_shape_of_grid((5, 4, 6)) == (17, 64, 96)
     frames = load_video(tmp_path / "clip.mp4", 17)
     assert frames.shape == (17, 64, 96, 3)
     # Frame i was painted i*12: the 17 chosen frames are spread evenly over all 20.
