@@ -19,11 +19,12 @@ from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import open_dict
 
-import lightning_adaptiveload.train as train_module
+import lightning_adaptiveload as package
 from lightning_adaptiveload.callbacks.balance_monitor import BalanceMonitor
-from lightning_adaptiveload.train import ConfigError, as_overrides, build, train
+from lightning_adaptiveload.cli.checks import ConfigError, as_overrides
+from lightning_adaptiveload.cli.train import build, train
 
-ROOT = Path(train_module.__file__).resolve().parent.parent
+ROOT = Path(package.__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 README = ROOT / "README.md"
 
@@ -74,7 +75,7 @@ print("HEAVY:", sorted(m for m in ("torch", "lightning", "numpy") if m in sys.mo
 @pytest.mark.parametrize("argv", [["--help"], ["trainer.max_stepz=3"], ["modle=tiny"]])
 def test_help_and_config_typos_are_answered_before_torch_is_imported(argv):
     # train.py loaded on its own (the package __init__ re-exports the whole library, see the next test).
-    probe = _PROBE.format(path=str(ROOT / "lightning_adaptiveload" / "train.py"), argv=argv)
+    probe = _PROBE.format(path=str(ROOT / "lightning_adaptiveload" / "cli" / "train.py"), argv=argv)
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert "HEAVY: []" in proc.stdout, proc.stdout + proc.stderr
     if argv == ["--help"]:
@@ -91,7 +92,7 @@ def test_console_script_import_stays_light():
         pytest.skip("lightning_adaptiveload/__init__.py imports torch eagerly: --help stays slow until it is lazy")
     argv = ["--help"]
     probe = (
-        "import sys\nsys.argv = ['adaptiveload-train', '--help']\nfrom lightning_adaptiveload.train import main\n"
+        "import sys\nsys.argv = ['adaptiveload-train', '--help']\nfrom lightning_adaptiveload.cli.train import main\n"
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
         "print('HEAVY:', sorted(m for m in ('torch', 'lightning') if m in sys.modules))"
     )

@@ -25,7 +25,7 @@ def test_tokens_of_counts_after_patchify():
 def test_data_configs_take_patch_and_vae_stride_from_the_model():
     from hydra import compose, initialize_config_dir
 
-    from lightning_adaptiveload.train import build
+    from lightning_adaptiveload.cli.train import build
 
     for data in ("synthetic_tiny", "synthetic_wan", "manifest"):
         text = (CONF / "data" / f"{data}.yaml").read_text()

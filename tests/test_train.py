@@ -20,9 +20,10 @@ import lightning_adaptiveload
 from lightning_adaptiveload.bucketing.policy import EqualTokenPolicy
 from lightning_adaptiveload.calibration.costmodel import CostModel
 from lightning_adaptiveload.callbacks.shape_benchmark import ShapeBenchmarkCallback
+from lightning_adaptiveload.cli.checks import MissingSettingError, missing_keys
+from lightning_adaptiveload.cli.train import build, train
 from lightning_adaptiveload.factories import cost_model_policy
 from lightning_adaptiveload.models.wan import WAN_CONFIGS
-from lightning_adaptiveload.train import MissingSettingError, _missing_keys, build, train
 
 CONF_DIR = Path(lightning_adaptiveload.__file__).parent.parent / "conf"
 GROUPS = ["model", "data", "bucketing", "strategy", "trainer", "callbacks", "logger", "experiment"]
@@ -199,7 +200,7 @@ def test_missing_keys_walk_lists_and_skip_hydra_and_interpolations():
     cfg = OmegaConf.create(
         {"a": "???", "b": {"c": [1, "???", {"d": "???"}], "e": "${a}"}, "hydra": {"job": {"num": "???"}}}
     )
-    assert _missing_keys(cfg) == ["a", "b.c[1]", "b.c[2].d"]
+    assert missing_keys(cfg) == ["a", "b.c[1]", "b.c[2].d"]
 
 
 def test_console_script_reports_a_missing_setting_in_one_line(tmp_path):
@@ -279,15 +280,15 @@ def test_sequence_parallel_adds_the_groups_callback_with_the_planned_degrees(tmp
 
 
 def test_final_summary_shows_fractions_as_percentages():
-    from lightning_adaptiveload.train import _format_summary
+    from lightning_adaptiveload.cli.components import format_summary
 
-    text = _format_summary({"steps": 5, "tokens_per_s": 12345.6, "mfu": 0.4, "data_wait_frac": 0.0007,
+    text = format_summary({"steps": 5, "tokens_per_s": 12345.6, "mfu": 0.4, "data_wait_frac": 0.0007,
                             "step_time_cv": 0.02, "peak_mem_gb": 28.37})
     assert text == "tokens_per_s 12,346, mfu 40.00%, data_wait_frac 0.07%, step_time_cv 2.00%, peak_mem_gb 28.37"
 
 
 def test_cuda_allocator_uses_expandable_segments_unless_the_environment_says_otherwise(monkeypatch):
-    from lightning_adaptiveload import train as train_mod
+    from lightning_adaptiveload.cli import components as train_mod
 
     for key in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
         monkeypatch.delenv(key, raising=False)
@@ -307,7 +308,7 @@ def test_cuda_allocator_uses_expandable_segments_unless_the_environment_says_oth
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_cuda_allocator_setting_takes_effect_on_gpu():
-    code = ("from lightning_adaptiveload.train import configure_cuda_allocator as c; assert c(); import torch; "
+    code = ("from lightning_adaptiveload.cli.components import configure_cuda_allocator as c; assert c(); import torch; "
             "x = torch.empty(1 << 20, device='cuda'); "
             "print(any(seg.get('is_expandable') for seg in torch.cuda.memory_snapshot()))")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from lightning_adaptiveload.cli.prepare import load_rules
 from lightning_adaptiveload.prepare.buckets import BucketRules, SkipSample
-from lightning_adaptiveload.prepare.cli import load_rules
 
 
 def test_wan_480p_clip_lands_in_the_32760_token_bucket():

@@ -16,10 +16,10 @@ import pytest
 import torch
 from prepare_media import caption, write_image, write_video, write_zero_frame_video
 
+from lightning_adaptiveload.cli.prepare import load_rules, main
 from lightning_adaptiveload.data.media import load_pixels
 from lightning_adaptiveload.data.shards import ShardedLatentDataset
 from lightning_adaptiveload.prepare import PrepareError, Preparer, UMT5TextEncoder, WanVaeEncoder, read_inputs
-from lightning_adaptiveload.prepare.cli import load_rules, main
 
 TEXT_LEN = 16
 EXPECTED_SKIPS = {"missing caption": 1, "missing file": 1, "no frames": 1, "too large": 1, "too short": 1,
@@ -278,7 +278,7 @@ def test_torchrun_two_ranks_write_the_same_index_as_one_process(good_corpus, enc
                                                             "WORLD_SIZE", "NODE_RANK")}  # fmt: skip
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-                           "lightning_adaptiveload.prepare.cli", args[0], str(tmp_path / "ddp"), *args[1:]], env=env,
+                           "lightning_adaptiveload.cli.prepare", args[0], str(tmp_path / "ddp"), *args[1:]], env=env,
                           capture_output=True, text=True, timeout=240)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rank 0/2: 1 shard(s) encoded" in proc.stderr and "rank 1/2: 1 shard(s) encoded" in proc.stderr

@@ -7,7 +7,7 @@ Single process::
 
 Data parallel (each rank encodes its share of the shards, rank 0 merges the index)::
 
-    torchrun --nproc-per-node 8 -m lightning_adaptiveload.prepare.cli /data/captions.jsonl /data/wan480p ...
+    torchrun --nproc-per-node 8 -m lightning_adaptiveload.cli.prepare /data/captions.jsonl /data/wan480p ...
 
 Rerunning the same command after a crash keeps finished shards and encodes the rest.
 """

@@ -1,0 +1,286 @@
+"""What ``adaptiveload-train`` checks before it builds anything, and how it words errors for the command line.
+
+A library error speaks Python (``` `ManifestDataset(on_bad_row='skp')` ```); :func:`as_overrides` rewrites it as
+the override that fixes it (``` `data.dataset.on_bad_row=skp` ```). Imports only Hydra and OmegaConf at the
+top, so ``--help`` and config typos are answered before torch is loaded.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+
+class ConfigError(ValueError):
+    """A setting of the run is wrong or missing; the message names the override that fixes it.
+
+    ``adaptiveload-train`` prints it as one line, without a traceback.
+    """
+
+
+class MissingSettingError(ConfigError):
+    """A required config value (``???`` in ``conf/``) was not given."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors in the form of the command line: `Cls(arg='x')` → `node.arg=x`.
+
+_VALUE = r"""'[^']*'|"[^"]*"|\([^()]*\)|\[[^\[\]]*\]|[^\s,;:`)]+"""
+
+
+def _override_value(text: str) -> str:
+    """A Python literal as it is written in a Hydra override (``'skip'`` → ``skip``, ``None`` → ``null``)."""
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+    return _format_override(value)
+
+
+def _format_override(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_format_override(v) for v in value) + "]"
+    if isinstance(value, str) and not re.fullmatch(r"[\w./\-+~]*", value):
+        return repr(value)
+    return str(value)
+
+
+def as_overrides(
+    message: str, path: str, keys: Any, class_name: str | None = None, bare: bool = True
+) -> str:
+    """Rewrite the Python arguments a message mentions as the overrides of config node ``path``.
+
+    ``keys`` are the node's argument names: ``` `ManifestDataset(on_bad_row='skp')` ``` becomes
+    ``` `data.dataset.on_bad_row=skp` ``` and, with ``bare``, a bare ``on_bad_row='skip'`` becomes
+    ``data.dataset.on_bad_row=skip``; names that are not keys of the node are left alone.
+    """
+    names = "|".join(re.escape(str(k)) for k in sorted(keys, key=lambda k: -len(str(k))))
+    if not names:
+        return message
+    prefix = f"{path}." if path else ""
+    callee = re.escape(class_name) if class_name else r"[A-Za-z_][\w.]*"
+    call = re.compile(rf"`{callee}\(\s*({names})=({_VALUE})\s*\)`")
+    message = call.sub(lambda m: f"`{prefix}{m[1]}={_override_value(m[2])}`", message)
+    if not bare:
+        return message
+    argument = re.compile(rf"(?<![\w.])({names})=({_VALUE})")
+    return argument.sub(lambda m: f"{prefix}{m[1]}={_override_value(m[2])}", message)
+
+
+def node_keys(node: DictConfig) -> list[str]:
+    return [str(k) for k in node.keys() if not str(k).startswith("_")]
+
+
+def as_cli_error(err: BaseException, nodes: dict[str, tuple[str, list[str]]]) -> ConfigError | None:
+    """A setting error raised after building (in ``fit``), with ``` `Cls(arg=x)` ``` rewritten as the
+    override of the node that built ``Cls`` (``nodes``: class name → (path, keys)); ``None`` if none applies."""
+    if not isinstance(err, user_error_types()):
+        return None
+    message = str(err)
+    for class_name, (path, keys) in nodes.items():
+        message = as_overrides(message, path, keys, class_name, bare=False)
+    return ConfigError(message) if message != str(err) else None
+
+
+def user_error_types() -> tuple[type[BaseException], ...]:
+    """Errors that describe a setting (one line on the command line); anything else keeps its traceback."""
+    types: list[type[BaseException]] = [ValueError, FileNotFoundError]
+    if "lightning.fabric" in sys.modules:
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+        types.append(MisconfigurationException)
+    return tuple(types)
+
+
+def instantiate_node(node: DictConfig, path: str, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate`` whose argument errors name the node's overrides (``data.dataset.x=...``)."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as err:
+        cause = err.__cause__
+        if not isinstance(cause, (*user_error_types(), TypeError)):
+            raise
+        target = str(node.get("_target_", "")).rsplit(".", 1)[-1]
+        message = as_overrides(str(cause), path, node_keys(node), target or None)
+        if message == str(cause):  # nothing to rewrite: say which node it came from
+            message = f"{path} ({target}): {message}"
+        raise ConfigError(message) from cause
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks before anything is built.
+
+# What a required value is and an example of it, for the error message.
+_REQUIRED_HINTS = {
+    "data.dataset.path": ("a JSONL / CSV / Parquet manifest", "/data/train.jsonl"),
+    "bucketing.policy.batch_sizes": ("{S: B}, the batch size of each sequence length", "'{1560: 16, 7800: 4}'"),
+    "bucketing.policy.cost_model_path": (
+        "a CostModel JSON, or the shape benchmark's calibration JSON",
+        "outputs/.../shape_benchmark.json",
+    ),
+}
+
+
+def missing_keys(node: DictConfig | ListConfig, prefix: str = "") -> list[str]:
+    """Dotted keys whose value is ``???``, without resolving interpolations and without Hydra's own
+    ``hydra`` node (present when the config was composed with ``return_hydra_config``).
+
+    Not ``OmegaConf.missing_keys``: it resolves every interpolation on the way and raises on one
+    that points at a missing value (``e: ${a}`` with ``a: ???``) instead of naming ``a``."""
+    keys = (
+        range(len(node))
+        if isinstance(node, ListConfig)
+        else [k for k in node.keys() if prefix or k != "hydra"]
+    )
+    found = []
+    for key in keys:
+        name = f"{prefix}[{key}]" if isinstance(node, ListConfig) else f"{prefix}{'.' if prefix else ''}{key}"
+        if OmegaConf.is_missing(node, key):
+            found.append(name)
+        elif not OmegaConf.is_interpolation(node, key) and isinstance(node[key], (DictConfig, ListConfig)):
+            found += missing_keys(node[key], name)
+    return found
+
+
+def check_required(cfg: DictConfig) -> None:
+    """Raise ``MissingSettingError`` naming every required value left unset, with the override to add.
+
+    Checked before anything is built, so ``data=manifest`` without a path fails in one line instead
+    of deep inside instantiation.
+    """
+    missing = sorted(missing_keys(cfg))
+    if not missing:
+        return
+    named = [f"{key} ({_REQUIRED_HINTS[key][0]})" if key in _REQUIRED_HINTS else key for key in missing]
+    example = " ".join(f"{key}={_REQUIRED_HINTS.get(key, ('', '...'))[1]}" for key in missing)
+    raise MissingSettingError(
+        f"required setting{'s' if len(missing) > 1 else ''} not given: {', '.join(named)}. "
+        f"Add {'them' if len(missing) > 1 else 'it'} to the command line, e.g. `adaptiveload-train ... {example}`."
+    )
+
+
+# `Trainer.fit(ckpt_path=...)` values Lightning resolves itself.
+_SPECIAL_CKPT_PATHS = ("last", "best", "hpc", "registry")
+
+
+def _local_ckpt_path(cfg: DictConfig) -> Path | None:
+    ckpt_path = cfg.get("ckpt_path")
+    if ckpt_path is None:
+        return None
+    text = str(ckpt_path)
+    if text in _SPECIAL_CKPT_PATHS or text.startswith("registry:") or "://" in text:
+        return None
+    return Path(text)
+
+
+def check_ckpt_path(cfg: DictConfig) -> None:
+    """Raise ``ConfigError`` when ``ckpt_path`` names a file that does not exist (before building)."""
+    path = _local_ckpt_path(cfg)
+    if path is None or path.exists():
+        return
+    raise ConfigError(
+        f"ckpt_path={path}: no such file or directory. Give the path of a saved checkpoint, e.g. "
+        "`ckpt_path=outputs/<date>/<time>/checkpoints/last.ckpt`, or leave ckpt_path out to start a new run."
+    )
+
+
+def _checkpoint_step(path: Path) -> int | None:
+    """The ``global_step`` a Lightning checkpoint was saved at (memory-mapped: tensors are not read)."""
+    import torch
+
+    given = path
+    if path.is_dir():  # a sharded checkpoint keeps the loop state in meta.pt
+        path = path / "meta.pt"
+        if not path.is_file():
+            return None
+    try:
+        try:
+            checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        except RuntimeError as err:
+            if "mmap can only be used" not in str(err):
+                raise
+            checkpoint = torch.load(path, map_location="cpu", weights_only=False)  # not the zip format mmap needs
+    except Exception as err:  # noqa: BLE001 - truncated, corrupt or not a checkpoint: one line naming the file
+        cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(
+            f"ckpt_path={given}: cannot read the checkpoint ({type(err).__name__}: {cause.split('. ')[0]}); the file is "
+            "truncated or corrupt (e.g. the run was killed while saving it). Resume from another checkpoint, e.g. "
+            f"an earlier one in {given.parent}, or leave ckpt_path out to start a new run."
+        ) from None
+    step = checkpoint.get("global_step") if isinstance(checkpoint, dict) else None
+    return None if step is None else int(step)
+
+
+def check_resume_has_steps_left(cfg: DictConfig) -> None:
+    """Raise ``ConfigError`` when the checkpoint cannot be read, or already reached ``trainer.max_steps``
+    (0 steps would run)."""
+    path = _local_ckpt_path(cfg)
+    if path is None:
+        return
+    step = _checkpoint_step(path)
+    max_steps = cfg.get("trainer", {}).get("max_steps", -1)
+    if step is None or max_steps is None or max_steps < 0 or step < max_steps:
+        return
+    raise ConfigError(
+        f"ckpt_path={path} was saved at step {step} and trainer.max_steps={max_steps}: that run is finished "
+        f"and resuming it would train 0 steps. To train on, raise the limit, e.g. "
+        f"`adaptiveload-train ckpt_path={path} trainer.max_steps={step + max(max_steps, 1)}`."
+    )
+
+
+def check_accelerator(cfg: DictConfig) -> None:
+    """Raise ``ConfigError`` when the run asks for a GPU that this machine does not have (before the
+    model is built: a GPU recipe's model takes minutes and tens of GB to build on a CPU)."""
+    accelerator = str((cfg.get("trainer") or {}).get("accelerator", "auto"))
+    if accelerator not in ("gpu", "cuda"):
+        return
+    import torch
+
+    if torch.cuda.is_available() or (accelerator == "gpu" and torch.backends.mps.is_available()):
+        return
+    raise ConfigError(
+        f"trainer.accelerator={accelerator}, but this machine has no GPU that torch {torch.__version__} can use "
+        "(torch.cuda.is_available() is False). To run on CPU add `trainer=cpu` (with a model that fits a CPU, "
+        "e.g. `trainer=cpu model=tiny strategy=auto`), or run on a machine with a GPU and a CUDA build of torch."
+    )
+
+
+def warn_about_world_size(trainer: pl.Trainer, datamodule: Any) -> None:
+    """Warn when ranks outnumber the CPU cores (CPU runs) or the samples."""
+    from lightning.pytorch.accelerators import CPUAccelerator
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    world_size = int(trainer.world_size)
+    cores = os.cpu_count() or 1
+    if isinstance(trainer.accelerator, CPUAccelerator) and trainer.num_devices > cores:
+        rank_zero_warn(
+            f"trainer.devices={trainer.num_devices} CPU processes on {cores} core(s): the ranks share cores, "
+            f"so every step waits for the slowest. Use trainer.devices={cores} or fewer."
+        )
+    dataset = getattr(datamodule, "dataset", None)
+    try:
+        samples = len(dataset) if dataset is not None else None
+    except TypeError:
+        samples = None
+    if samples is not None and world_size > samples:
+        rank_zero_warn(
+            f"{world_size} ranks for {samples} sample(s): {world_size - samples} rank(s) get no sample of their "
+            "own each step and train on padded repeats. Use fewer ranks (trainer.devices / trainer.num_nodes) "
+            "or more data."
+        )

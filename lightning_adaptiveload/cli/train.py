@@ -1,0 +1,145 @@
+"""``adaptiveload-train``: ``train(cfg)`` builds the run and fits; ``main()`` is the Hydra wrapper.
+
+With no arguments it runs the CPU quickstart; any config group can be overridden from the command
+line, e.g. ``adaptiveload-train model=wan2_1_1_3b trainer=gpu strategy=fsdp trainer.devices=8``.
+Only Hydra and OmegaConf are imported at the top (``--help`` answers before torch loads). Checks and
+error wording live in :mod:`.checks`, node helpers in :mod:`.components`, multi-rank errors in :mod:`.errors`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_adaptiveload.cli import checks, components, errors
+from lightning_adaptiveload.cli.checks import instantiate_node, node_keys
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+
+def _config_path() -> str:
+    """``conf/`` ships inside the installed package; a source checkout has it beside the package
+    (found from this file, not ``find_spec``, which would import torch before Hydra parses the line)."""
+    package = Path(__file__).resolve().parent.parent
+    return str(package / "conf" if (package / "conf").is_dir() else package.parent / "conf")
+
+
+@dataclass
+class Run:
+    """Everything ``train`` builds from a config, before fitting."""
+
+    module: pl.LightningModule
+    datamodule: pl.LightningDataModule
+    trainer: pl.Trainer
+    # Class name → (config path, argument keys) of what was built, to word later errors as overrides.
+    nodes: dict[str, tuple[str, list[str]]] = field(default_factory=dict)
+
+
+def build(cfg: DictConfig) -> Run:
+    """Check the settings, then instantiate model, data, bucketing policy, callbacks, logger, strategy and Trainer."""
+    checks.check_required(cfg)
+    checks.check_ckpt_path(cfg)
+    import lightning.pytorch as pl
+    from lightning.pytorch.utilities import rank_zero_info
+
+    from lightning_adaptiveload.callbacks.shape_benchmark import ShapeBenchmarkCallback
+
+    checks.check_resume_has_steps_left(cfg)
+    checks.check_accelerator(cfg)
+    if cfg.get("seed") is not None:  # also the seed of the timestep and noise draws (read from here)
+        pl.seed_everything(cfg.seed, workers=True)
+
+    module = instantiate_node(cfg.model, "model")
+    dataset = components.instantiate_dataset(cfg.data.dataset, module)
+    policy = instantiate_node(cfg.bucketing.policy, "bucketing.policy")
+    sp_settings = components.sequence_parallel_settings(cfg.data.get("sequence_parallel"), module)
+    sp = {"sequence_parallel": sp_settings} if sp_settings is not None else {}
+    datamodule = instantiate_node(
+        cfg.data.datamodule, "data.datamodule", dataset=dataset, policy=policy,
+        balance=cfg.bucketing.balance, seed=cfg.get("seed") or 0, **sp,
+    )
+    if hasattr(datamodule, "print_plan"):  # the DataModule prints the plan it trains, once
+        datamodule.print_plan = bool(cfg.get("print_plan", True))
+    callbacks = components.instantiate_callbacks(cfg.get("callbacks"))
+    if not cfg.bucketing.get("fit_from_benchmark", True):
+        # The chosen policy is the point of the run (e.g. the equal-token baseline): keep it.
+        kept = [cb for cb in callbacks if not isinstance(cb, ShapeBenchmarkCallback)]
+        if len(kept) < len(callbacks):
+            rank_zero_info("bucketing.fit_from_benchmark=false: ShapeBenchmarkCallback is off; the configured policy is kept.")
+        callbacks = kept
+    if sp_settings is not None:
+        callbacks = components.with_sequence_parallel_callback(callbacks, datamodule)
+    logger = instantiate_node(cfg.logger, "logger") if cfg.get("logger") else False
+    strategy = instantiate_node(cfg.strategy, "strategy")
+    trainer: pl.Trainer = instantiate_node(cfg.trainer, "trainer", strategy=strategy, callbacks=callbacks, logger=logger)
+    checks.warn_about_world_size(trainer, datamodule)
+    built = {"model": module, "data.dataset": dataset, "data.datamodule": datamodule,
+             "bucketing.policy": policy, "strategy": strategy, "trainer": trainer}
+    nodes = {
+        type(obj).__name__: (path, node_keys(OmegaConf.select(cfg, path)))
+        for path, obj in built.items()
+        if not isinstance(obj, (str, int, float, bool))  # e.g. strategy "auto"
+    }
+    nodes["Trainer"] = ("trainer", node_keys(cfg.trainer))  # also a subclass's messages say `Trainer(...)`
+    return Run(module, datamodule, trainer, nodes)
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Build the run from ``cfg`` and fit (CUDA's allocator uses expandable segments unless the
+    environment says otherwise: :func:`~.components.configure_cuda_allocator`).
+
+    Returns:
+        The Trainer's final callback metrics as floats (``train/loss`` is the last logged step's).
+        With a ``BalanceMonitor`` callback, its run means replace the last step's ``balance/*``
+        values, so they agree with the balance report.
+    """
+    errors.forget_run()
+    components.configure_cuda_allocator()
+    run = build(cfg)
+    from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+    from lightning_adaptiveload.callbacks.balance_monitor import BalanceMonitor
+
+    with errors.watch_peers(cfg, run.trainer):
+        try:
+            run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=cfg.get("ckpt_path"))
+        except Exception as err:
+            cli_error = checks.as_cli_error(err, run.nodes)
+            if cli_error is None:
+                raise
+            raise cli_error from err
+    metrics = {k: float(v) for k, v in run.trainer.callback_metrics.items() if v.numel() == 1}
+    if run.trainer.global_step == 0:
+        rank_zero_warn("trained 0 steps: check trainer.max_steps, trainer.max_epochs and the data size.")
+
+    lines = []
+    if "train/loss" in metrics:
+        lines.append(f"  train/loss at step {run.trainer.global_step} (the last logged value): {metrics['train/loss']:.6g}")
+    monitor = next((cb for cb in run.trainer.callbacks if isinstance(cb, BalanceMonitor)), None)
+    summary = monitor.summary() if monitor is not None else {}
+    if summary:
+        metrics.update({f"balance/{k}": float(v) for k, v in summary.items()})
+        lines.append(f"  balance, means over {int(summary.get('steps', 0))} steps: {components.format_summary(summary)}")
+    else:
+        lines.append(f"  last logged values: {metrics}")
+    rank_zero_info("Final metrics\n" + "\n".join(lines))
+    return metrics
+
+
+@hydra.main(version_base="1.3", config_path=_config_path(), config_name="train")
+def main(cfg: DictConfig) -> None:
+    """Console script ``adaptiveload-train``."""
+    try:
+        OmegaConf.resolve(cfg)
+        train(cfg)  # build() checks the required settings and ckpt_path before anything else
+    except Exception as err:
+        errors.exit_on_error(err, cfg)
+
+
+if __name__ == "__main__":
+    main()
