@@ -16,14 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from lightning_adaptiveload._checks import check_triple
+
 VAE_STRIDE: tuple[int, int, int] = (4, 8, 8)
 PATCH_SIZE: tuple[int, int, int] = (1, 2, 2)
-
-
-def _check_triple(name: str, value: Sequence[int]) -> tuple[int, int, int]:
-    if len(value) != 3 or any(int(v) != v or v < 1 for v in value):
-        raise ValueError(f"`{name}={tuple(value)!r}` is not valid. Expected three positive integers (t, h, w).")
-    return int(value[0]), int(value[1]), int(value[2])
 
 
 def latent_shape(
@@ -34,7 +30,7 @@ def latent_shape(
     Spatial sizes are floored to a multiple of the stride (what a resize-and-crop to the bucket
     resolution produces); time keeps the first frame and compresses the rest.
     """
-    st, sh, sw = _check_triple("vae_stride", vae_stride)
+    st, sh, sw = check_triple("", "vae_stride", vae_stride)
     for name, v in (("num_frames", num_frames), ("height", height), ("width", width)):
         if int(v) != v or v < 1:
             raise ValueError(f"`{name}={v!r}` is not valid. Expected a positive integer.")
@@ -50,8 +46,8 @@ def token_grid(
     latent: Sequence[int], patch_size: Sequence[int] = PATCH_SIZE
 ) -> tuple[int, int, int]:
     """Latent shape (f, h, w) → token grid after patchify. The patch must divide the latent."""
-    pt, ph, pw = _check_triple("patch_size", patch_size)
-    f, h, w = _check_triple("latent", latent)
+    pt, ph, pw = check_triple("", "patch_size", patch_size)
+    f, h, w = check_triple("", "latent", latent)
     if f % pt or h % ph or w % pw:
         raise ValueError(
             f"Latent shape (F, H, W)={tuple(latent)} is not divisible by patch_size={tuple(patch_size)}; "
@@ -69,7 +65,7 @@ def pixel_token_grid(
 ) -> tuple[int, int, int]:
     """Pixel clip shape → token grid, cropping the latent to a multiple of the patch."""
     f, h, w = latent_shape(num_frames, height, width, vae_stride)
-    pt, ph, pw = _check_triple("patch_size", patch_size)
+    pt, ph, pw = check_triple("", "patch_size", patch_size)
     if f < pt or h < ph or w < pw:
         raise ValueError(
             f"Clip {num_frames}x{height}x{width} gives latent {(f, h, w)}, smaller than patch {tuple(patch_size)}."
@@ -85,15 +81,15 @@ def seq_len(grid: Sequence[int]) -> int:
 
 def latent_of_grid(grid: Sequence[int], patch_size: Sequence[int] = PATCH_SIZE) -> tuple[int, int, int]:
     """Token grid (f, h, w) → the latent shape (F, H, W) that patchifies to it."""
-    pt, ph, pw = _check_triple("patch_size", patch_size)
-    f, h, w = _check_triple("token_grid", grid)
+    pt, ph, pw = check_triple("", "patch_size", patch_size)
+    f, h, w = check_triple("", "token_grid", grid)
     return f * pt, h * ph, w * pw
 
 
 def pixel_shape_of_latent(latent: Any, vae_stride: Sequence[int] = VAE_STRIDE) -> tuple[Any, Any, Any]:
     """Latent shape (f, h, w) → the pixel clip (frames, height, width) a causal VAE encodes to exactly it
     (the inverse of :func:`latent_shape` on stride multiples); ints or int arrays."""
-    st, sh, sw = _check_triple("vae_stride", vae_stride)
+    st, sh, sw = check_triple("", "vae_stride", vae_stride)
     f, h, w = latent
     return (f - 1) * st + 1, h * sh, w * sw
 
@@ -119,7 +115,7 @@ def tokens_of(latents: Any, patch_size: Sequence[int] = PATCH_SIZE) -> tuple[int
         raise ValueError(
             f"latents of shape {shape} are not [B, C, F, H, W]; pass a batch of 5-D latents (or its shape)."
         )
-    pt, ph, pw = _check_triple("patch_size", patch_size)
+    pt, ph, pw = check_triple("", "patch_size", patch_size)
     b, _, f, h, w = shape
     if f % pt or h % ph or w % pw:
         raise ValueError(
@@ -141,8 +137,8 @@ def pixel_token_grids(
     Inputs must already be validated positive integers (manifest readers do that per row so they
     can name the bad row).
     """
-    st, sh, sw = _check_triple("vae_stride", vae_stride)
-    pt, ph, pw = _check_triple("patch_size", patch_size)
+    st, sh, sw = check_triple("", "vae_stride", vae_stride)
+    pt, ph, pw = check_triple("", "patch_size", patch_size)
     fr = np.asarray(num_frames, dtype=np.int64)
     f = (1 + (fr - 1) // st) // pt
     h = (np.asarray(height, dtype=np.int64) // sh) // ph

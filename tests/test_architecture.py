@@ -15,7 +15,7 @@ DATA_PACKAGES = (f"{PKG}.conf", f"{PKG}.csrc")
 # Lower layers never import higher ones (DESIGN.md, "Dependency direction"). Modules of one layer
 # may import each other as long as the graph stays acyclic.
 LAYERS: list[tuple[str, ...]] = [
-    ("geometry", "bucketing.metrics", "ops"),
+    ("_checks", "geometry", "bucketing.metrics", "ops"),
     ("bucketing",),
     ("calibration",),
     ("reporting",),

@@ -17,35 +17,19 @@ makes ``batch_sizes`` return 0 for it so the sampler leaves it out and counts it
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 import numpy as np
 
-_OVERSIZE_MODES = ("error", "skip")
+from lightning_adaptiveload._checks import ON_BAD, check_choice, check_positive
 
 
 class CostPredictor(Protocol):
     """Anything with a vectorised ``predict(B, S) -> seconds`` (e.g. ``CostModel``)."""
 
     def predict(self, batch_size: Any, seq_len: Any) -> Any: ...
-
-
-def _check_positive(cls: str, name: str, value: Any, *, integer: bool = False) -> None:
-    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-    ok = ok and math.isfinite(value) and value > 0
-    if ok and integer:
-        ok = float(value).is_integer()
-    if not ok:
-        kind = "a positive integer" if integer else "a positive finite number"
-        raise ValueError(f"`{cls}({name}={value!r})` is not valid. Expected {kind}.")
-
-
-def _check_oversize(cls: str, oversize: str) -> None:
-    if oversize not in _OVERSIZE_MODES:
-        raise ValueError(f"`{cls}(oversize={oversize!r})` is not valid. Expected one of {_OVERSIZE_MODES}.")
 
 
 def _as_seq_lens(seq_lens: Any) -> np.ndarray:
@@ -134,7 +118,7 @@ class EqualTokenPolicy(BatchSizePolicy):
     """
 
     def __init__(self, max_tokens: int) -> None:
-        _check_positive("EqualTokenPolicy", "max_tokens", max_tokens, integer=True)
+        check_positive("EqualTokenPolicy", "max_tokens", max_tokens, integer=True)
         self.max_tokens = int(max_tokens)
 
     def _batch_sizes(self, seq_lens: np.ndarray) -> np.ndarray:
@@ -168,11 +152,11 @@ class FixedBatchPolicy(BatchSizePolicy):
         for s, b in batch_sizes.items():
             # Keys may arrive as strings from a config file or command line: "32760" is S = 32760.
             key = int(s) if isinstance(s, str) and s.strip().isdigit() else s
-            _check_positive("FixedBatchPolicy", f"batch_sizes key {s!r}", key, integer=True)
-            _check_positive("FixedBatchPolicy", f"batch_sizes[{s!r}]", b, integer=True)
+            check_positive("FixedBatchPolicy", f"batch_sizes key {s!r}", key, integer=True)
+            check_positive("FixedBatchPolicy", f"batch_sizes[{s!r}]", b, integer=True)
             table[int(key)] = int(b)
         if default is not None:
-            _check_positive("FixedBatchPolicy", "default", default, integer=True)
+            check_positive("FixedBatchPolicy", "default", default, integer=True)
         self.table = dict(sorted(table.items()))
         self.default = None if default is None else int(default)
 
@@ -233,10 +217,10 @@ class DualConstraintPolicy(BatchSizePolicy):
     """
 
     def __init__(self, m_mem: int, m_comp: float, p: float = 2.0, oversize: str = "error") -> None:
-        _check_positive("DualConstraintPolicy", "m_mem", m_mem, integer=True)
-        _check_positive("DualConstraintPolicy", "m_comp", m_comp)
-        _check_positive("DualConstraintPolicy", "p", p)
-        _check_oversize("DualConstraintPolicy", oversize)
+        check_positive("DualConstraintPolicy", "m_mem", m_mem, integer=True)
+        check_positive("DualConstraintPolicy", "m_comp", m_comp)
+        check_positive("DualConstraintPolicy", "p", p)
+        check_choice("DualConstraintPolicy", "oversize", oversize, ON_BAD)
         self.m_mem = int(m_mem)
         self.m_comp = int(m_comp) if float(m_comp).is_integer() else float(m_comp)
         self.p = float(p)
@@ -280,9 +264,9 @@ class CostModelPolicy(BatchSizePolicy):
                 f"`CostModelPolicy(cost_model={cost_model!r})` is not valid. Expected an object with "
                 "a vectorised `predict(B, S)` method, e.g. `CostModel.fit(...)`."
             )
-        _check_positive("CostModelPolicy", "m_mem", m_mem, integer=True)
-        _check_positive("CostModelPolicy", "step_budget", step_budget)
-        _check_oversize("CostModelPolicy", oversize)
+        check_positive("CostModelPolicy", "m_mem", m_mem, integer=True)
+        check_positive("CostModelPolicy", "step_budget", step_budget)
+        check_choice("CostModelPolicy", "oversize", oversize, ON_BAD)
         self.cost_model = cost_model
         self.m_mem = int(m_mem)
         self.step_budget = float(step_budget)
@@ -335,14 +319,14 @@ class TieredPolicy(BatchSizePolicy):
     """
 
     def __init__(self, tiers: Any, cost_model: CostPredictor | None = None, oversize: str = "error") -> None:
-        _check_oversize("TieredPolicy", oversize)
+        check_choice("TieredPolicy", "oversize", oversize, ON_BAD)
         checked: list[tuple[str, int, BatchSizePolicy]] = []
         for i, tier in enumerate(tiers or ()):
             if not (isinstance(tier, (tuple, list)) and len(tier) == 3 and isinstance(tier[0], str)
                     and isinstance(tier[2], BatchSizePolicy)):
                 raise ValueError(f"`TieredPolicy(tiers[{i}]={tier!r})` is not valid. Expected a (mode, max_seq_len, "
                                  "BatchSizePolicy) triple.")
-            _check_positive("TieredPolicy", f"tiers[{i}] max_seq_len", tier[1], integer=True)
+            check_positive("TieredPolicy", f"tiers[{i}] max_seq_len", tier[1], integer=True)
             if checked and int(tier[1]) <= checked[-1][1]:
                 raise ValueError(f"`TieredPolicy(tiers=...)`: max_seq_len must increase from tier to tier; tier {i} "
                                  f"({tier[0]!r}) has {tier[1]} after {checked[-1][1]}.")

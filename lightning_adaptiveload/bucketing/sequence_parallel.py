@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from lightning_adaptiveload._checks import check_positive_int
+
 CostFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
 SPCostFn = Callable[[np.ndarray, np.ndarray, int], np.ndarray]
 
@@ -43,12 +45,6 @@ SPCostFn = Callable[[np.ndarray, np.ndarray, int], np.ndarray]
 def allowed_sp_degrees(num_heads: int, ranks_per_node: int) -> list[int]:
     """SP degrees > 1 that divide both the attention heads and the ranks of a node."""
     return [k for k in range(2, min(num_heads, ranks_per_node) + 1) if num_heads % k == 0 and ranks_per_node % k == 0]
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"`check_sp_degree({name}={value!r})` is not valid. Expected a positive integer.")
-    return int(value)
 
 
 def check_sp_degree(degree: int, num_heads: int, ranks_per_node: int, world_size: int | None = None) -> int:
@@ -64,9 +60,9 @@ def check_sp_degree(degree: int, num_heads: int, ranks_per_node: int, world_size
         ValueError: the degree does not divide the heads or the node (the message names the allowed
             degrees), or the ranks do not tile into whole groups and nodes.
     """
-    degree = _positive_int("degree", degree)
-    num_heads = _positive_int("num_heads", num_heads)
-    ranks_per_node = _positive_int("ranks_per_node", ranks_per_node)
+    degree = check_positive_int("check_sp_degree", "degree", degree)
+    num_heads = check_positive_int("check_sp_degree", "num_heads", num_heads)
+    ranks_per_node = check_positive_int("check_sp_degree", "ranks_per_node", ranks_per_node)
     if degree == 1:
         return 1
     allowed = allowed_sp_degrees(num_heads, ranks_per_node)
@@ -78,7 +74,7 @@ def check_sp_degree(degree: int, num_heads: int, ranks_per_node: int, world_size
             "(divisors of both), or 1 for no sequence parallelism."
         )
     if world_size is not None:
-        world_size = _positive_int("world_size", world_size)
+        world_size = check_positive_int("check_sp_degree", "world_size", world_size)
         if world_size % degree:
             raise ValueError(
                 f"`check_sp_degree(degree={degree}, world_size={world_size})` is not valid: {world_size} ranks "

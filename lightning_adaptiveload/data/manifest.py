@@ -27,6 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file as load_safetensors
 from torch.utils.data import Dataset
 
+from lightning_adaptiveload._checks import ON_BAD, check_choice, check_positive_int, check_triple
 from lightning_adaptiveload.data.media import (
     IMAGE_EXTENSIONS,
     LATENT_EXTENSIONS,
@@ -56,7 +57,6 @@ _KIND_LATENT, _KIND_IMAGE, _KIND_VIDEO = 0, 1, 2
 _OK, _MISSING, _NOT_INT = 0, 1, 2
 _INT_STRING = r"^[+-]?[0-9]+(\.0*)?$"
 _MAX_EXAMPLES = 5
-_MODES = ("error", "skip")
 
 
 @dataclass
@@ -108,18 +108,6 @@ class _Rows:
     captions: pa.Array | None
     text_embeddings: pa.Array | None
     report: ManifestReport
-
-
-def _check_mode(cls: str, name: str, value: str) -> str:
-    if value not in _MODES:
-        raise ValueError(f"`{cls}({name}={value!r})` is not valid. Expected one of {_MODES}.")
-    return value
-
-
-def _check_triple(cls: str, name: str, value: Sequence[int]) -> tuple[int, int, int]:
-    if len(value) != 3 or any(isinstance(v, bool) or int(v) != v or v < 1 for v in value):
-        raise ValueError(f"`{cls}({name}={tuple(value)!r})` is not valid. Expected three positive integers.")
-    return int(value[0]), int(value[1]), int(value[2])
 
 
 # ----------------------------------------------------------------------------------------- reading
@@ -534,9 +522,9 @@ def read_manifest_shapes(
     rows = _validate(
         manifest,
         Path(root if root is not None else manifest.parent).absolute(),
-        _check_triple(name, "vae_stride", vae_stride),
-        _check_triple(name, "patch_size", patch_size),
-        _check_mode(name, "on_bad_row", on_bad_row),
+        check_triple(name, "vae_stride", vae_stride),
+        check_triple(name, "patch_size", patch_size),
+        check_choice(name, "on_bad_row", on_bad_row, ON_BAD),
         check_files,
     )
     return rows.grids, rows.report
@@ -644,15 +632,14 @@ class ManifestDataset(Dataset):
             ("text_len", text_len),
             ("text_dim", text_dim),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{cls}({name}={value!r})` is not valid. Expected a positive integer.")
+            check_positive_int(cls, name, value)
         self.path = Path(path)
         self.root = Path(root if root is not None else self.path.parent).absolute()
         self.latent_channels, self.text_len, self.text_dim = latent_channels, text_len, text_dim
-        self.vae_stride = _check_triple(cls, "vae_stride", vae_stride)
-        self.patch_size = _check_triple(cls, "patch_size", patch_size)
-        self.on_bad_row = _check_mode(cls, "on_bad_row", on_bad_row)
-        self.on_corrupt = _check_mode(cls, "on_corrupt", on_corrupt)
+        self.vae_stride = check_triple(cls, "vae_stride", vae_stride)
+        self.patch_size = check_triple(cls, "patch_size", patch_size)
+        self.on_bad_row = check_choice(cls, "on_bad_row", on_bad_row, ON_BAD)
+        self.on_corrupt = check_choice(cls, "on_corrupt", on_corrupt, ON_BAD)
         self.text_encoder = text_encoder
         rows = _validate(self.path, self.root, self.vae_stride, self.patch_size, self.on_bad_row, check_files)
         self._grids, self._rows, self._paths, self._kinds = rows.grids, rows.rows, rows.paths, rows.kinds

@@ -33,6 +33,7 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import Dataset
 
+from lightning_adaptiveload._checks import ON_BAD, check_choice
 from lightning_adaptiveload.data.media import CorruptSampleError
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,6 @@ INDEX_COLUMNS: dict[str, pa.DataType] = {
 }
 INDEX_SCHEMA = pa.schema([pa.field(k, v) for k, v in INDEX_COLUMNS.items()])
 _MEMBERS = ("latents", "context", "meta")
-_MODES = ("error", "skip")
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -324,8 +324,7 @@ class ShardedLatentDataset(Dataset):
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         cls = type(self).__name__
-        if on_bad_shard not in _MODES:
-            raise ValueError(f"`{cls}(on_bad_shard={on_bad_shard!r})` is not valid. Expected one of {_MODES}.")
+        check_choice(cls, "on_bad_shard", on_bad_shard, ON_BAD)
         self.path = str(path)
         self.storage_options = dict(storage_options or {})
         self.cache_dir = None if cache_dir is None else Path(cache_dir)

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from lightning_adaptiveload._checks import check_positive_int, check_triple, is_int
 from lightning_adaptiveload.data.mixtures import get_mixture
 from lightning_adaptiveload.geometry import PATCH_SIZE, VAE_STRIDE, latent_of_grid, pixel_token_grid
 
@@ -18,16 +19,6 @@ _ENTRY_KEYS = ("num_frames", "height", "width")
 
 # Separates the per-item tensor stream from the shape draw, which is seeded with `seed` alone.
 _ITEM_STREAM = 1
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _positive_int(cls: str, name: str, value: Any) -> int:
-    if not _is_int(value) or value < 1:
-        raise ValueError(f"`{cls}({name}={value!r})` is not valid. Expected a positive integer.")
-    return int(value)
 
 
 def _validate_mixture(
@@ -54,7 +45,7 @@ def _validate_mixture(
         for key in _ENTRY_KEYS:
             if key not in entry:
                 raise ValueError(f"{where} has no {key!r}. Expected num_frames, height and width in pixels.")
-            if not _is_int(entry[key]) or entry[key] < 1:
+            if not is_int(entry[key]) or entry[key] < 1:
                 raise ValueError(f"{where}: {key}={entry[key]!r}; expected a positive integer.")
         weight = entry.get("weight", 1.0)
         if (
@@ -122,20 +113,15 @@ class SyntheticMixedDataset(Dataset):
         seed: int = 0,
     ) -> None:
         cls = type(self).__name__
-        self.num_samples = _positive_int(cls, "num_samples", num_samples)
-        self.latent_channels = _positive_int(cls, "latent_channels", latent_channels)
-        self.text_len = _positive_int(cls, "text_len", text_len)
-        self.text_dim = _positive_int(cls, "text_dim", text_dim)
-        if not _is_int(seed) or seed < 0:
+        self.num_samples = check_positive_int(cls, "num_samples", num_samples)
+        self.latent_channels = check_positive_int(cls, "latent_channels", latent_channels)
+        self.text_len = check_positive_int(cls, "text_len", text_len)
+        self.text_dim = check_positive_int(cls, "text_dim", text_dim)
+        if not is_int(seed) or seed < 0:
             raise ValueError(f"`{cls}(seed={seed!r})` is not valid. Expected an integer >= 0.")
         self.seed = int(seed)
-        for name, value in (("vae_stride", vae_stride), ("patch_size", patch_size)):
-            if len(value) != 3 or not all(_is_int(v) and v >= 1 for v in value):
-                raise ValueError(
-                    f"`{cls}({name}={tuple(value)!r})` is not valid. Expected three positive integers."
-                )
-        self.vae_stride = tuple(int(v) for v in vae_stride)
-        self.patch_size = tuple(int(v) for v in patch_size)
+        self.vae_stride = check_triple(cls, "vae_stride", vae_stride)
+        self.patch_size = check_triple(cls, "patch_size", patch_size)
         if isinstance(mixture, str):
             mixture = get_mixture(mixture)
         self._pixels, self._grids, self._weights = _validate_mixture(
@@ -171,7 +157,7 @@ class SyntheticMixedDataset(Dataset):
         return latent_of_grid(self._grids[self._component[index]], self.patch_size)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        if not _is_int(index) or not 0 <= index < self.num_samples:
+        if not is_int(index) or not 0 <= index < self.num_samples:
             raise IndexError(f"Index {index!r} is out of range for a dataset of {self.num_samples} samples.")
         index = int(index)
         state = np.random.SeedSequence([self.seed, _ITEM_STREAM, index]).generate_state(2, dtype=np.uint32)

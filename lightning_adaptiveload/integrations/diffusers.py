@@ -56,6 +56,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_ze
 from torch import nn
 from typing_extensions import override
 
+from lightning_adaptiveload._checks import check_positive_int
 from lightning_adaptiveload.geometry import token_grid
 from lightning_adaptiveload.models.compiling import (
     check_compile_options,
@@ -453,8 +454,7 @@ class DiffusersWanModule(RectifiedFlowModule):
                 f"`{cls}(transformer={type(transformer).__name__})` is not valid. Expected a "
                 "WanTransformer3DModel or the keyword arguments of its constructor."
             )
-        if isinstance(text_len, bool) or not _is_int(text_len) or text_len < 1:
-            raise ValueError(f"`{cls}(text_len={text_len!r})` is not valid. Expected a positive integer.")
+        check_positive_int(cls, "text_len", text_len)
         activation_checkpointing = _resolve_checkpointing(
             cls, activation_checkpointing, gradient_checkpointing,
             isinstance(transformer, WanTransformer3DModel) and transformer.gradient_checkpointing)
@@ -548,13 +548,6 @@ class DiffusersWanModule(RectifiedFlowModule):
         dtype = model.patch_embedding.weight.dtype
         with whole_block_graphs() if self._blocks_compiled else contextlib.nullcontext():
             return model(x.to(dtype), t, context.to(dtype), return_dict=False)[0]
-
-
-def _is_int(value: Any) -> bool:
-    try:
-        return int(value) == value
-    except (TypeError, ValueError):
-        return False
 
 
 def _resolve_checkpointing(cls: str, setting: bool | str | None, alias: bool | None, model_flag: bool) -> bool | str:

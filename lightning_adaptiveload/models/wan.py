@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from lightning_adaptiveload import geometry
+from lightning_adaptiveload.geometry import token_grid as _token_grid
 from lightning_adaptiveload.models.compiling import compile_blocks as compile_repeated
 from lightning_adaptiveload.models.compiling import mark_dynamic, whole_block_graphs
 from lightning_adaptiveload.modules.adaln import AdaLayerNorm
@@ -623,7 +623,7 @@ class WanModel(nn.Module):
 
     def token_grid(self, latent_shape: tuple[int, int, int]) -> tuple[int, int, int]:
         """Latent (F, H, W) → token grid (f, h, w); raises if the patch does not divide it."""
-        return geometry.token_grid(latent_shape, self.patch_size)
+        return _token_grid(latent_shape, self.patch_size)
 
     def forward(
         self,
