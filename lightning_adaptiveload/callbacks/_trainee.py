@@ -1,0 +1,170 @@
+"""The live Lightning training step as the calibration conductor's :class:`Trainee`, and the key of
+what determines its cost. Private to :mod:`~lightning_adaptiveload.callbacks.shape_benchmark`."""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.utilities.seed import isolate_rng
+
+from lightning_adaptiveload.calibration import derive, record
+from lightning_adaptiveload.calibration.calibrate import ProfileSettings, Trainee
+from lightning_adaptiveload.calibration.profile import MemoryProbe, plan_grid
+from lightning_adaptiveload.models.compiling import compile_seconds
+
+
+class _StrategyCollectives:
+    """:class:`~lightning_adaptiveload.calibration.profile.Collectives` over a Lightning strategy."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.strategy = trainer.strategy
+
+    def max(self, value: float) -> float:
+        t = torch.tensor(float(value), device=self.strategy.root_device, dtype=torch.float64)
+        return float(self.strategy.reduce(t, reduce_op="max"))
+
+    def broadcast(self, obj: Any) -> Any:
+        return self.strategy.broadcast(obj)
+
+
+def lightning_trainee(trainer: Trainer, pl_module: LightningModule, auto_checkpointing: bool) -> Trainee:
+    """The live strategy's training step, as the conductor drives it (per-bucket modes with
+    ``auto_checkpointing``)."""
+    strategy = trainer.strategy
+    device = strategy.root_device
+    cuda = device.type == "cuda"
+    has_shape = callable(getattr(pl_module, "batch_shape", None))
+
+    def make_step(batch_size: int, grid: tuple[int, int, int]):
+        batch = pl_module.synthetic_batch(batch_size, grid, device)
+        if has_shape:
+            got = tuple(int(v) for v in pl_module.batch_shape(batch))
+            want = (batch_size, int(np.prod(grid)))
+            if got != want:
+                raise MisconfigurationException(
+                    f"`{type(pl_module).__name__}.synthetic_batch({batch_size}, token_grid={grid})` returned a "
+                    f"batch whose `batch_shape` is {got}; expected {want}. The token grid is after patchify: "
+                    "the latents must be the grid times the patch size."
+                )
+        return lambda: _step(trainer, pl_module, batch)
+
+    has_state = all(len(opt.state) > 0 for opt in trainer.optimizers) if trainer.optimizers else True
+    params = {id(p): p for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]}
+    auto = auto_checkpointing
+    return Trainee(
+        make_step=make_step, collectives=_StrategyCollectives(trainer),
+        modes=tuple(pl_module.checkpointing_modes) if auto else (),
+        set_mode=pl_module.set_checkpointing if auto else None,
+        device_memory=int(torch.cuda.get_device_properties(device).total_memory) if cuda else None,
+        pending_bytes=derive.pending_optimizer_bytes(sum(p.numel() for p in params.values()), has_state),
+        memory=MemoryProbe.for_device(device),
+        synchronize=(lambda: torch.cuda.synchronize(device)) if cuda else None,
+        on_oom=torch.cuda.empty_cache if cuda else None,
+        compile_clock=compile_seconds if _uses_compile(pl_module) else None,
+        isolation=lambda: _no_trace(trainer, pl_module), device_name=_device_name(device),
+        world_size=int(trainer.world_size))
+
+
+def calibration_key(trainer: Trainer, pl_module: LightningModule, st: ProfileSettings, grids: np.ndarray,
+                    profile_version: int) -> dict[str, Any]:
+    """What determines a step's cost (the cache and checkpoint key; see the callback's docstring)."""
+    seq = grids.prod(axis=1)
+    corpus = grids if st.m_mem is None else grids[seq <= st.m_mem]
+    plan = plan_grid(corpus, st.batch_sizes, st.max_shapes, max_tokens=st.m_mem) if len(corpus) else []
+    own = getattr(pl_module, "calibration_key", None)
+    return {
+        "model": record.model_fingerprint(pl_module),
+        "device": _device_name(trainer.strategy.root_device),
+        "precision": str(trainer.precision),
+        "strategy": _strategy_kind(trainer.strategy),
+        "form": st.form,
+        "grid": [[s.batch_size, *s.grid] for s in plan],
+        # Every corpus length: per-bucket modes are measured up to the longest.
+        "seq_lens": sorted({int(v) for v in seq}),
+        "repeats": [st.warmup, st.repeats],
+        # "auto" or the fixed mode: an "auto" record carries the modes it chose.
+        "checkpointing": getattr(pl_module, "checkpointing", None),
+        "module": own() if callable(own) else None,
+        "profile": profile_version,
+    }
+
+
+@contextmanager
+def _no_trace(trainer: Trainer, pl_module: LightningModule) -> Iterator[None]:
+    """Profiling leaves no trace: RNG, buffers, train/eval modes and gradients are as they were."""
+    modules = list(pl_module.modules())
+    training_modes = [m.training for m in modules]
+    buffers = {name: b.detach().clone() for name, b in pl_module.named_buffers()}
+    try:
+        pl_module.train()
+        with isolate_rng(), torch.enable_grad():
+            yield
+    finally:
+        _clear_grads(trainer, pl_module)
+        with torch.no_grad():
+            for name, b in pl_module.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
+        for m, mode in zip(modules, training_modes, strict=True):
+            m.training = mode
+
+
+def _step(trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
+    """One forward + backward as the training loop runs it, without optimizer step or hooks."""
+    strategy = trainer.strategy
+    with trainer.precision_plugin.train_step_context():
+        wrapper = strategy.model
+        if wrapper is not None and wrapper is not pl_module:
+            # Calls through the wrapper's forward (DDP/FSDP gather and reducer hooks), the same
+            # redirection Strategy.training_step uses.
+            loss = strategy._forward_redirection(wrapper, pl_module, "compute_loss", batch)
+        else:
+            loss = pl_module.compute_loss(batch)
+    # Not `strategy.backward`: that runs every callback's on_before/after_backward hooks, which
+    # must not see profiling steps.
+    strategy.pre_backward(loss)
+    trainer.precision_plugin.backward(loss, pl_module, None)
+    strategy.post_backward(loss)
+    # Training zeroes gradients (set_to_none) every step, so each timed backward allocates them.
+    _clear_grads(trainer, pl_module)
+
+
+def _uses_compile(module: torch.nn.Module) -> bool:
+    """Whether any part of the module runs through ``torch.compile`` (``Module.compile`` or a wrapper)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return any(getattr(m, "_compiled_call_impl", None) is not None or isinstance(m, OptimizedModule)
+               for m in module.modules())
+
+
+def _strategy_kind(strategy: Any) -> str:
+    """The part of the strategy that changes a sample's step cost: replicated weights (one device or
+    DDP: a rank runs the whole model on its batch) or the sharding strategy's class. So resuming a
+    one-GPU run on eight DDP GPUs keeps the calibration."""
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    if isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+        return "replicated"
+    return type(strategy).__name__
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    # The CPU's architecture, not its thread count: the key must not change with the rank layout.
+    return f"{device.type}:{platform.machine()}"
+
+
+def _clear_grads(trainer: Trainer, pl_module: LightningModule) -> None:
+    # The wrapper (e.g. FSDP's root) may own flat parameters the LightningModule does not list.
+    modules = [pl_module] + ([trainer.strategy.model] if trainer.strategy.model is not None else [])
+    for module in modules:
+        for p in module.parameters():
+            p.grad = None
