@@ -26,7 +26,7 @@ def cost_model_policy(
         max_seq_len: the longest S expected (only used when ``step_budget`` is ``None``).
         oversize: ``"error"`` or ``"skip"`` for samples with S > m_mem.
     """
-    cost_model = load_cost_model(cost_model_path, argument="bucketing.policy.cost_model_path")
+    cost_model = load_cost_model(cost_model_path, argument="cost_model_policy(cost_model_path=...)")
     if step_budget is None:
         step_budget = float(cost_model.predict(1, max_seq_len or m_mem))
     return policy_for_budget(cost_model, int(m_mem), float(step_budget), oversize=oversize)

@@ -181,6 +181,16 @@ def test_errors_raised_in_fit_name_the_override(tmp_path, monkeypatch):
     )
 
 
+def test_library_error_in_python_form_is_translated_to_the_override(tmp_path):
+    # The sampler says `DualConstraintPolicy(oversize='skip')`; the command line names the override.
+    cfg = _compose(["callbacks=none", "logger=none", "bucketing.policy.m_mem=16"], tmp_path)
+    with pytest.raises(ConfigError) as err:
+        train(cfg)
+    message = str(err.value)
+    assert "set `bucketing.policy.oversize=skip` to leave them out" in message, message
+    assert "DualConstraintPolicy(oversize=" not in message
+
+
 def test_multi_rank_failure_is_reported_once_by_rank_0_last(tmp_path):
     command = [
         sys.executable,

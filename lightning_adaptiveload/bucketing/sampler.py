@@ -82,6 +82,7 @@ def oversize_error(
     *,
     grids: np.ndarray | None = None,
     budget: str = "",
+    policy: str = "",
 ) -> OversizeSampleError | None:
     """The one rule for samples longer than the memory budget: the error to raise, or ``None``.
 
@@ -97,6 +98,7 @@ def oversize_error(
         sample_label: ``index -> str`` naming a sample's source (``dataset.sample_label``).
         grids: per-sample token grids ``[N, 3]`` for the message (optional).
         budget: what ``limit`` is, e.g. ``"of DualConstraintPolicy(m_mem=4096, ...)"``.
+        policy: the policy's class name, to word the fix as ``Policy(oversize='skip')``.
     """
     if limit is None or oversize != "error":
         return None
@@ -105,6 +107,7 @@ def oversize_error(
     if not over.any():
         return None
     i = int(np.argmax(over))
+    skip = f"`{policy}(oversize='skip')`" if policy else "`oversize='skip'` on the policy"
     grid = f" (token grid {tuple(int(v) for v in grids[i])})" if grids is not None else ""
     count = int(over.sum())
     return OversizeSampleError(
@@ -113,7 +116,7 @@ def oversize_error(
         f"tokens{f' {budget}' if budget else ''}; it would run out of memory even alone "
         f"({count} sample{'s' if count > 1 else ''} in all {'are' if count > 1 else 'is'} that long). Raise "
         "`m_mem` (or enable activation checkpointing / shard the model), crop or remove such samples, or set "
-        "`oversize='skip'` on the policy (bucketing.policy.oversize=skip) to leave them out (counted).",
+        f"{skip} to leave them out (counted).",
     )
 
 
@@ -420,7 +423,8 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
         if over.any():
             # Per-sample arrays only on this (rare) path: the error names the first such sample.
             err = oversize_error(self.bucket_seq_lens[self._bucket_of], limit, getattr(policy, "oversize", "error"),
-                                 self.sample_label, grids=self.bucket_grids[self._bucket_of], budget=f"of {policy!r}")
+                                 self.sample_label, grids=self.bucket_grids[self._bucket_of], budget=f"of {policy!r}",
+                                 policy=type(policy).__name__)
             if err is not None:
                 raise err
         self.bucket_batch_sizes = np.asarray(policy.batch_sizes(self.bucket_seq_lens), dtype=np.int64)

@@ -285,7 +285,7 @@ class BalanceMonitor(Callback):
                 f"`BalanceMonitor`: at step {trainer.global_step} CUDA's caching allocator freed its cache and retried "
                 f"an allocation {int(rows[:, 7].max())} time(s) on a rank; each retry synchronises the device and slows "
                 f"the step. Memory is near capacity for a B={b} S={s:,} batch: raise "
-                "`callbacks.shape_benchmark.memory_margin`, or set PYTORCH_ALLOC_CONF=expandable_segments:True "
+                "`ShapeBenchmarkCallback(memory_margin=...)`, or set PYTORCH_ALLOC_CONF=expandable_segments:True "
                 "(adaptiveload-train sets it unless the environment has a setting)."
             )
         self._seen += 1

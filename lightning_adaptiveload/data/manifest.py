@@ -733,8 +733,8 @@ class ManifestDataset(Dataset):
             tensors = _load_tensors(path, key)
             if key not in tensors:
                 raise CorruptSampleError(
-                    f"{path} has no {key!r} tensor (keys: {sorted(tensors)}); set `latents_key` "
-                    "(`data.dataset.latents_key=...`) to the name your files use"
+                    f"{path} has no {key!r} tensor (keys: {sorted(tensors)}); set "
+                    f"`{type(self).__name__}(latents_key=...)` to the name your files use"
                 )
             latents = self._fit_latents(tensors[key], expected, path)
             file_context = tensors.get(self.context_key)
@@ -781,8 +781,8 @@ class ManifestDataset(Dataset):
                 context = next(iter(tensors.values()))
             else:
                 raise CorruptSampleError(
-                    f"{source} has no {self.context_key!r} tensor (keys: {sorted(tensors)}); set `context_key` "
-                    "(`data.dataset.context_key=...`)"
+                    f"{source} has no {self.context_key!r} tensor (keys: {sorted(tensors)}); set "
+                    f"`{type(self).__name__}(context_key=...)`"
                 )
         elif file_context is not None:
             context = file_context

@@ -521,7 +521,7 @@ class DiffusersWanModule(RectifiedFlowModule):
                 f"(now {self.batch_keys}).")
 
     def _text_len_fix(self, length: int) -> str:
-        return (f"Set `{type(self).__name__}(text_len={length})` (model.text_len={length}) if every context has "
+        return (f"Set `{type(self).__name__}(text_len={length})` if every context has "
                 "that length, or pad the contexts to text_len in the dataset.")
 
     def _prepare_blocks(self, model: WanTransformer3DModel) -> None:

@@ -82,8 +82,8 @@ def check_compile_options(options: Mapping[str, Any] | None, compile: bool,
         raise ValueError(f"`{owner}(compile_options={options!r})` is not valid. Expected a mapping of "
                          "inductor option names to values, e.g. {'triton.mix_order_reduction_non_strict_mode': True}.")
     if not compile:
-        raise ValueError(f"`{owner}(compile_options={dict(options)!r})` needs `compile=True` "
-                         "(model.compile=true); without it nothing is compiled.")
+        raise ValueError(f"`{owner}(compile_options={dict(options)!r})` needs `compile=True`; "
+                         "without it nothing is compiled.")
     import difflib
 
     from torch._inductor import config as inductor_config

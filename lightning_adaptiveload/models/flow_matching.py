@@ -204,7 +204,7 @@ class FlowMatchingModule(RectifiedFlowModule):
 
     def _text_len_fix(self, length: int) -> str:
         return (f"Truncate the contexts to {self.config.text_len} tokens in the dataset, or build the model with "
-                f"text_len={length} (model.model.text_len={length}).")
+                f"`WanConfig(text_len={length})`.")
 
     def calibration_key(self) -> dict[str, Any]:
         """:meth:`RectifiedFlowModule.calibration_key` and, under FSDP2, the unsharded parameter dtype."""

@@ -536,7 +536,7 @@ def test_contexts_longer_than_text_len_are_refused_before_profiling(tmp_path):
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
                          callbacks=[Profiled()])
     with pytest.raises(MisconfigurationException, match=r"dataset\[0\] has L=20 tokens, but the model takes at most "
-                                                        r"text_len=16.*text_len=20 \(model.model.text_len=20\)"):
+                                                        r"text_len=16.*`WanConfig\(text_len=20\)`"):
         trainer.fit(FlowMatchingModule("tiny"), datamodule=AdaptiveLoadDataModule(dataset, EqualTokenPolicy(64)))
     assert not Profiled.reached
     # Shorter contexts are zero-padded by the model: accepted.
