@@ -32,6 +32,7 @@ def result(tmp_path_factory):
     return record["result"]
 
 
+@pytest.mark.slow  # the result fixture runs the benchmark: ~11 s
 def test_each_configuration_is_one_plugin_run(result):
     runs = result["runs"]
     assert set(runs) == {"dual_cost", "equal_token"}
@@ -48,6 +49,7 @@ def test_each_configuration_is_one_plugin_run(result):
         assert len(r["per_step"]) == 3 and r["summary"]["steps"] == 3
 
 
+@pytest.mark.slow  # the result fixture runs the benchmark: ~11 s
 def test_numbers_are_balance_monitor_means(result):
     for r in result["runs"].values():
         rows = np.asarray(r["per_step"])  # [step, rank, field]
@@ -67,6 +69,7 @@ def test_fewer_blocks_are_stated(tmp_path):
         bench._parse_args(["--configs", "nope"])
 
 
+@pytest.mark.slow  # the result fixture runs the benchmark: ~11 s
 def test_plots(result, tmp_path):
     spec = importlib.util.spec_from_file_location("plot_e2e", BENCH.with_name("plot_e2e.py"))
     mod = importlib.util.module_from_spec(spec)

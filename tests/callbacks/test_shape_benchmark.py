@@ -266,6 +266,7 @@ def test_out_of_memory_shape_recorded_and_skipped(tmp_path):
     assert all(g is None for g in after.grads)  # the failed steps' gradients are gone too
 
 
+@pytest.mark.slow  # ~14 s on a 2-core CPU
 def test_cache_reuse_and_force(tmp_path):
     cache = tmp_path / "cache"
     first = _cb(tmp_path, cache_dir=cache)
@@ -289,6 +290,7 @@ def test_cache_reuse_and_force(tmp_path):
     assert forced.profiled and forced.calibration.to_json() != first.calibration.to_json()
 
 
+@pytest.mark.slow  # ~12 s on a 2-core CPU
 def test_a_calibration_from_an_earlier_profiler_is_not_reused(tmp_path, monkeypatch):
     from lightning_adaptiveload.callbacks import shape_benchmark
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 SCRIPT = Path(__file__).parents[1] / "helpers" / "sp_train_script.py"  # importable too: tests/conftest.py
 from sp_train_script import NUM_SAMPLES  # noqa: E402
@@ -32,6 +33,7 @@ def _rows(tmp_path: Path, record: str) -> list[list[dict]]:
     return [[json.loads(line) for line in (tmp_path / f"{record}.rank{r}").read_text().splitlines()] for r in (0, 1)]
 
 
+@pytest.mark.slow  # ~86 s on a 2-core CPU
 def test_sequence_parallel_trains_through_adaptiveload_train_and_resumes_mid_epoch(tmp_path):
     _fit(tmp_path, "full")
     full = _rows(tmp_path, "full")

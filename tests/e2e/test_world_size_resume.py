@@ -34,6 +34,7 @@ def _seen(tmp_path: Path, record: str) -> list[int]:
     return out
 
 
+@pytest.mark.slow  # 68-101 s on a 2-core CPU: two multi-process runs each
 @pytest.mark.parametrize("first, second", [(2, 1), (1, 2)])
 def test_resume_on_another_world_size_keeps_calibration_and_sees_every_sample(tmp_path, first, second):
     _fit(tmp_path, "a", "--devices", str(first), "--max-steps", "2")

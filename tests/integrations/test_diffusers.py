@@ -320,6 +320,7 @@ def _compiled_module(monkeypatch, counter, config=None, **kwargs) -> DiffusersWa
     return module
 
 
+@pytest.mark.slow  # ~28 s on a 2-core CPU (without the fused op)
 @pytest.mark.parametrize("patched", [False, True])
 def test_compiled_blocks_match_eager_with_one_graph_for_every_bucket(monkeypatch, patched):
     import torch._dynamo.testing

@@ -10,6 +10,7 @@ from lightning_adaptiveload.models.wan import WanModel
 GRIDS = [(1, 4, 4), (3, 4, 6), (5, 4, 6), (1, 8, 8), (2, 6, 6), (7, 2, 2), (1, 2, 2), (4, 4, 4), (9, 4, 4), (3, 3, 3)]
 
 
+@pytest.mark.slow  # ~17 s on a 2-core CPU
 def test_compiled_blocks_match_eager_and_recompile_a_bounded_number_of_times():
     torch._dynamo.reset()  # graphs and dynamic-shape decisions of earlier tests must not count here
     torch.manual_seed(0)
@@ -56,6 +57,7 @@ def test_flow_matching_module_compiles_blocks_when_asked(monkeypatch):
         FlowMatchingModule("tiny", compile="yes")
 
 
+@pytest.mark.slow  # ~25 s on a 2-core CPU
 def test_compiled_checkpointing_modes_match_eager_and_never_fall_back_silently():
     import pytest
 

@@ -67,6 +67,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # ~13 s on a 2-core CPU
 def test_building_and_sharding_14b_on_meta_uses_under_a_tenth_of_the_fp32_model():
     out = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, str(_free_port())], capture_output=True, text=True,
                          timeout=120, check=True)
@@ -120,6 +121,7 @@ def one_rank(monkeypatch):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # ~10 s a mode on a 2-core CPU
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_checkpointing_compile_and_fully_shard_compose_to_the_dense_numerics(one_rank, mode):
     torch.manual_seed(0)
