@@ -191,6 +191,7 @@ def test_library_error_in_python_form_is_translated_to_the_override(tmp_path):
     assert "DualConstraintPolicy(oversize=" not in message
 
 
+@pytest.mark.slow  # ~24 s on a 2-core CPU: two ranks in subprocesses
 def test_multi_rank_failure_is_reported_once_by_rank_0_last(tmp_path):
     command = [
         sys.executable,
