@@ -40,7 +40,6 @@ from lightning_adaptiveload.bucketing.metrics import summarize_step_loads
 from lightning_adaptiveload.bucketing.policy import BatchSizePolicy, CostPredictor
 from lightning_adaptiveload.bucketing.sequence_parallel import (
     SequenceParallelConfig,
-    arrange_sp_steps,
     plan_bucket_layout,
     sp_cost_function,
 )
@@ -223,6 +222,72 @@ def _fewest_samples(ids: np.ndarray, batch_len: np.ndarray, cost: np.ndarray, k:
         cand = np.concatenate([best, local])  # ascending positions: earlier chunks first
         best = cand[_lex_first(batch_len[ids[cand]], cost[ids[cand]], k)]
     return best
+
+
+def arrange_steps(
+    ids: np.ndarray,
+    batch_len: np.ndarray,
+    cost: np.ndarray,
+    num_replicas: int,
+    degree: np.ndarray | None = None,
+    *,
+    drop_last: bool,
+    balance: str,
+    shuffle: bool,
+    rng: np.random.Generator,
+) -> tuple[np.ndarray, int, int, int, int]:
+    """Lay batches out as ``steps[num_steps, num_replicas]`` of batch ids: the one step layout of
+    data-parallel and sequence-parallel plans.
+
+    ``degree[b]`` is batch ``b``'s SP degree (``None``: every batch is data parallel, one slot). An SP
+    batch of degree k fills k consecutive slots starting at a multiple of k: SP batches come first, by
+    descending degree (with a divisibility chain this aligns every group), then the data-parallel
+    batches. ``balance="cost"`` orders each part by descending predicted cost, so the units of a step
+    take nearly equal time. Slots are made a multiple of ``num_replicas`` by dropping (``drop_last``;
+    smallest degree first, fewest samples first) or by padding with repeats of the batches with fewest
+    samples, then cheapest (data-parallel ones when there are any). Steps are shuffled where the layout
+    sorted them (cost balance, SP groups); otherwise ``ids`` keep their (shuffled) order.
+
+    Returns:
+        ``(steps, padded_batches, padded_samples, dropped_batches, dropped_samples)``.
+    """
+    ids = np.asarray(ids)
+    rem = (len(ids) if degree is None else int(degree[ids].sum())) % num_replicas
+    dropped_batches = dropped_samples = 0
+    if drop_last and rem:
+        keep = np.ones(len(batch_len), dtype=bool)
+        for d in [1] if degree is None else np.unique(degree[ids]).tolist():
+            of_d = ids if degree is None else ids[degree[ids] == d]
+            j = min(len(of_d), rem // d)
+            drop = of_d[np.argsort(batch_len[of_d], kind="stable")[:j]]
+            keep[drop] = False
+            dropped_batches += j
+            dropped_samples += int(batch_len[drop].sum())
+            rem -= j * d
+            if rem == 0:
+                break
+        assert rem == 0, "a divisibility chain of degrees always drops to a multiple of the world size"
+        ids = ids[keep[ids]]
+    sp, dp = (ids[:0], ids) if degree is None else (ids[degree[ids] > 1], ids[degree[ids] == 1])
+    if balance == "cost":
+        sp = sp[np.lexsort((-cost[sp], -degree[sp]))] if len(sp) else sp
+        dp = _by_descending_cost(dp, cost)
+    elif len(sp):
+        sp = sp[np.argsort(-degree[sp], kind="stable")]
+    pad = ids[:0]
+    padded_batches = padded_samples = 0
+    if rem:
+        pool = dp if len(dp) else sp[degree[sp] == degree[sp].min()]
+        n_pad = (num_replicas - rem) // (1 if len(dp) else int(degree[pool[0]]))
+        fewest = pool[_fewest_samples(pool, batch_len, cost, max(n_pad, 1))]
+        pad = fewest[np.arange(n_pad) % len(fewest)]
+        padded_batches, padded_samples = n_pad, int(batch_len[pad].sum())
+    # Pads go last: 1-slot pads never misalign, and SP pads (no data-parallel batch) have the smallest degree.
+    order = np.concatenate([sp, dp, pad]) if len(sp) or len(pad) else dp
+    steps = (order if degree is None else np.repeat(order, degree[order])).reshape(-1, num_replicas)
+    if shuffle and (balance == "cost" or len(sp)):
+        steps = steps[rng.permutation(steps.shape[0])]
+    return steps, padded_batches, padded_samples, dropped_batches, dropped_samples
 
 
 def _as_grids(shapes: Any) -> np.ndarray:
@@ -532,54 +597,25 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
         ids = np.arange(total, dtype=self._index_dtype)
         if self.shuffle:
             ids = rng.permutation(ids)
+        degree = None
         if self.sequence_parallel is not None:
             missing = (counts > 0) & (bs_of_bucket == 0)
             if missing.any():  # a resume under a world size whose degrees cannot hold these samples
                 raise self._unplannable(int(np.flatnonzero(missing)[0]), num_replicas)
             degree = degree_of_bucket[batch_bucket]
-            if (degree > 1).any():
-                return self._sp_plan(idx, batch_start, batch_len, batch_bucket, cost, degree, ids, num_replicas, rng)
-        rem = total % num_replicas
-        dropped_batches = dropped_samples = 0
-        if self.drop_last and rem:
-            # Drop the batches with the fewest samples: fewest samples lost for an even split.
-            drop = ids[np.argsort(batch_len[ids], kind="stable")[:rem]]
-            keep = np.ones(total, dtype=bool)
-            keep[drop] = False
-            ids = ids[keep[ids]]
-            dropped_batches, dropped_samples = rem, int(batch_len[drop].sum())
-            rem = 0
-        if self.balance == "cost":
-            # Sorting by cost makes every run of `num_replicas` consecutive batches nearly equal in
-            # predicted work; ties keep the shuffled order.
-            ids = _by_descending_cost(ids, cost)
-        padded_batches = padded_samples = 0
-        if rem:
-            # Pad with the batches of fewest samples (then cheapest): the fewest repeated samples.
-            fewest = _fewest_samples(ids, batch_len, cost, num_replicas - rem)
-            pad = ids[fewest[np.arange(num_replicas - rem) % len(fewest)]]
-            ids = np.concatenate([ids, pad])
-            padded_batches, padded_samples = len(pad), int(batch_len[pad].sum())
-        steps = ids.reshape(-1, num_replicas)
-        if self.balance == "cost" and self.shuffle:
-            steps = steps[rng.permutation(steps.shape[0])]
-        return EpochPlan(idx, batch_start, batch_len, batch_bucket, cost, steps,
-                     padded_batches, padded_samples, dropped_batches, dropped_samples)
-
-    def _sp_plan(self, idx: np.ndarray, batch_start: np.ndarray, batch_len: np.ndarray, batch_bucket: np.ndarray,
-                 cost: np.ndarray, degree: np.ndarray, ids: np.ndarray, num_replicas: int,
-                 rng: np.random.Generator) -> EpochPlan:
-        """The plan of a segment with SP batches: their cost is ``t_sp``, their layout k columns wide."""
-        _, sp_cost = sp_cost_function(self.cost_model, self._cost_exponent())
-        seq = self.bucket_seq_lens[batch_bucket]
-        for k in np.unique(degree[degree > 1]).tolist():
-            sel = degree == k
-            cost[sel] = sp_cost(batch_len[sel].astype(np.int64), seq[sel], int(k))
-        steps, padded_b, padded_s, dropped_b, dropped_s = arrange_sp_steps(
-            ids, batch_len, cost, degree, num_replicas, drop_last=self.drop_last, balance=self.balance,
+            if (degree > 1).any():  # an SP batch costs t_sp and fills k slots
+                _, sp_cost = sp_cost_function(self.cost_model, self._cost_exponent())
+                seq = self.bucket_seq_lens[batch_bucket]
+                for k in np.unique(degree[degree > 1]).tolist():
+                    sel = degree == k
+                    cost[sel] = sp_cost(batch_len[sel].astype(np.int64), seq[sel], int(k))
+            else:
+                degree = None
+        steps, padded_b, padded_s, dropped_b, dropped_s = arrange_steps(
+            ids, batch_len, cost, num_replicas, degree, drop_last=self.drop_last, balance=self.balance,
             shuffle=self.shuffle, rng=rng)
         return EpochPlan(idx, batch_start, batch_len, batch_bucket, cost, steps, padded_b, padded_s, dropped_b,
-                         dropped_s, batch_degree=degree.astype(np.int32))
+                         dropped_s, batch_degree=None if degree is None else degree.astype(np.int32))
 
     def _remaining_after(self, plan: EpochPlan, steps_taken: int) -> np.ndarray:
         """Sorted indices planned after step ``steps_taken`` and not seen before it."""
