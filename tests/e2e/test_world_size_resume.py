@@ -51,6 +51,7 @@ def test_resume_on_another_world_size_keeps_calibration_and_sees_every_sample(tm
     assert len(seen) - NUM_SAMPLES <= a["plan"]["padded_samples"] + b["plan"]["padded_samples"]
 
 
+@pytest.mark.slow  # ~19-39 s on a 2-core CPU
 def test_diffusers_wan_trains_on_two_ranks_with_every_callback(tmp_path):
     pytest.importorskip("diffusers")
     _fit(tmp_path, "d", "--devices", "2", "--model", "diffusers", "--max-steps", "3")

@@ -71,6 +71,7 @@ def _losses(ranks: list[dict]) -> list[list[float]]:
     return [[float(r["steps"][i]["loss"]) for r in ranks] for i in range(steps)]
 
 
+@pytest.mark.slow  # ~52 s on a 2-core CPU
 def test_fsdp2_two_ranks_shards_loads_trains_like_one_process_and_resumes_exactly(tmp_path, checkpoints):
     full = _fit(tmp_path / "full", "--pretrained", str(checkpoints["diffusers"]), "--layout", "diffusers",
                 "--max-steps", "4")
@@ -110,6 +111,7 @@ def test_fsdp2_two_ranks_shards_loads_trains_like_one_process_and_resumes_exactl
     assert all(torch.equal(single[0]["start"][n], w) for n, w in resumed[0]["start"].items())
 
 
+@pytest.mark.slow  # ~18 s on a 2-core CPU
 def test_hsdp_two_replicas_train_like_one_process(tmp_path, checkpoints):
     hsdp = _fit(tmp_path / "hsdp", "--pretrained", str(checkpoints["diffusers"]), "--layout", "diffusers",
                 "--max-steps", "2", "--shard-size", "1")
@@ -122,6 +124,7 @@ def test_hsdp_two_replicas_train_like_one_process(tmp_path, checkpoints):
     torch.testing.assert_close(torch.tensor(_losses(hsdp)), torch.tensor(want), rtol=1e-5, atol=0)
 
 
+@pytest.mark.slow  # ~25 s on a 2-core CPU
 def test_hsdp_two_replicas_of_two_shards_train_like_one_process(tmp_path, checkpoints):
     """4 ranks as a (replicate=2, shard=2) mesh: real sharding inside each replica."""
     hsdp = _fit(tmp_path / "hsdp", "--pretrained", str(checkpoints["diffusers"]), "--layout", "diffusers",

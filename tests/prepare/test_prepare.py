@@ -239,6 +239,7 @@ def _train(index: Path, out: Path, record: Path, *extra: str) -> subprocess.Comp
                           capture_output=True, text=True, timeout=300)  # fmt: skip
 
 
+@pytest.mark.slow  # ~39 s on a 2-core CPU
 def test_training_from_shards_on_two_ranks_killed_and_resumed_sees_every_sample_once(prepared, tmp_path):
     from train_from_shards import POLICY
 
@@ -265,6 +266,7 @@ def test_training_from_shards_on_two_ranks_killed_and_resumed_sees_every_sample_
     assert sorted(set(everything)) == list(range(11))
 
 
+@pytest.mark.slow  # ~18-26 s on a 2-core CPU
 def test_torchrun_two_ranks_write_the_same_index_as_one_process(good_corpus, encoders, tmp_path):
     # Images first: rank 0's shard is 4 images + 1 clip, rank 1's is 5 clips, so rank 1 finishes last and
     # rank 0 must wait for it before merging.
