@@ -192,6 +192,14 @@ def test_library_error_in_python_form_is_translated_to_the_override(tmp_path):
 
 
 @pytest.mark.slow  # ~24 s on a 2-core CPU: two ranks in subprocesses
+def test_sequence_parallel_settings_are_named_as_the_config_node(tmp_path):
+    # The library says `sequence_parallel`: ...; the command line names data.sequence_parallel.
+    cfg = _compose(["callbacks=none", "logger=none", "data.sequence_parallel.enabled=true",
+                    "data.sequence_parallel.degrees=[3]"], tmp_path)
+    with pytest.raises(ConfigError, match=r"^`data.sequence_parallel`: .*degree=3"):
+        build(cfg)
+
+
 def test_multi_rank_failure_is_reported_once_by_rank_0_last(tmp_path):
     command = [
         sys.executable,

@@ -49,6 +49,12 @@ def sequence_parallel_settings(cfg: DictConfig | None, module: pl.LightningModul
         _from_model(comm, "num_layers", "num_layers", "data.sequence_parallel.comm.num_layers")
         if comm.get("alltoalls_per_layer", 0) is None:  # checkpointing recomputes the forward's four
             comm["alltoalls_per_layer"] = 12 if getattr(module, "activation_checkpointing", False) else 8
+    from lightning_adaptiveload.data.sequence_parallel import sequence_parallel_from_config
+
+    try:  # checked here, so the message names the config node rather than the DataModule's argument
+        sequence_parallel_from_config(settings, where="data.sequence_parallel")
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     return settings
 
 

@@ -124,7 +124,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         if self.sp_config is not None and self.sp_patch_size is None:
             raise ValueError(
                 f"`{name}(sequence_parallel=...)` needs the model's patch size to tell each batch's SP degree: set "
-                "`data.sequence_parallel.patch_size` (or give the dataset a `patch_size`)."
+                "`sequence_parallel.patch_size` (or give the dataset a `patch_size`)."
             )
         if not callable(getattr(dataset, "token_grids", None)):
             raise ValueError(

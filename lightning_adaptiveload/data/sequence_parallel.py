@@ -21,7 +21,7 @@ _COMM_KEYS = ("hidden_dim", "num_layers", "bytes_per_element", "bandwidth", "lat
 
 
 def sequence_parallel_from_config(
-    config: Mapping[str, Any] | None, where: str = "data.sequence_parallel"
+    config: Mapping[str, Any] | None, where: str = "sequence_parallel"
 ) -> tuple[SequenceParallelConfig | None, UlyssesCommModel | None, tuple[int, int, int] | None]:
     """``(SequenceParallelConfig, UlyssesCommModel or None, patch_size or None)`` from a config mapping,
     or ``(None, None, None)`` when it is absent or ``enabled`` is false.

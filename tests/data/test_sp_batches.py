@@ -27,13 +27,13 @@ def test_config_is_checked_with_the_allowed_degrees():
     assert sequence_parallel_from_config({**SP, "enabled": False}) == (None, None, None)
     sp, comm, patch = sequence_parallel_from_config({**SP, "patch_size": [1, 2, 2]})
     assert sp.degrees == (2,) and comm.hidden_dim == 64 and patch == (1, 2, 2)
-    with pytest.raises(ValueError, match=r"data.sequence_parallel.*degree=3.*Expected one of \[2\]"):
+    with pytest.raises(ValueError, match=r"`sequence_parallel`.*degree=3.*Expected one of \[2\]"):
         sequence_parallel_from_config({**SP, "degrees": [3]})
-    with pytest.raises(ValueError, match=r"data.sequence_parallel.*degree=8.*ranks of a node.*Expected one of \[2, 4\]"):
+    with pytest.raises(ValueError, match=r"`sequence_parallel`.*degree=8.*ranks of a node.*Expected one of \[2, 4\]"):
         sequence_parallel_from_config({**SP, "num_heads": 8, "degrees": [8], "ranks_per_node": 4})
     with pytest.raises(ValueError, match=r"unknown keys \['degree'\]"):
         sequence_parallel_from_config({**SP, "degree": 2})
-    with pytest.raises(ValueError, match=r"data.sequence_parallel.num_heads` is not set"):
+    with pytest.raises(ValueError, match=r"`sequence_parallel.num_heads` is not set"):
         sequence_parallel_from_config({**SP, "num_heads": None})
     with pytest.raises(ValueError, match=r"comm.num_layers` is not set"):
         sequence_parallel_from_config({**SP, "comm": {"hidden_dim": 64}})
