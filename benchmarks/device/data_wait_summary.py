@@ -29,7 +29,8 @@ def main(argv: list[str]) -> None:
         sys.exit("gpu_data_wait.sh: no 'balance, means over' line in the training log; the run failed (see above)")
     means = {}
     for part in final.group(2).split(", "):
-        key, value = part.rsplit(" ", 1)
+        key, value = part.split(" ", 1)
+        value = value.removesuffix(" in total")  # counters: "alloc_retries 0 in total"
         means[key] = float(value.rstrip("%").replace(",", "")) / (100.0 if value.endswith("%") else 1.0)
     per_step = []
     for path in sorted((work / "run").rglob("metrics.csv")):
