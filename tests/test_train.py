@@ -338,6 +338,7 @@ def _logged_losses(out: Path) -> dict[int, str]:
     return losses
 
 
+@pytest.mark.slow  # 5-54 s on a 2-core CPU (54 s under load)
 def test_readme_resume_from_last_ckpt_at_max_steps_logs_the_same_losses(tmp_path):
     # The README quickstart resume: max_steps stops part-way through an epoch, last.ckpt is saved, and the
     # resumed run crosses epoch boundaries. 96 samples: a few steps an epoch.

@@ -559,6 +559,7 @@ def _tiers(cb):
     return [(t["mode"], t["max_seq_len"]) for t in cb.calibration.extra["checkpointing"]["tiers"]]
 
 
+@pytest.mark.slow  # 9-16 s on a 2-core CPU
 def test_auto_checkpointing_is_chosen_per_bucket_and_reapplied(tmp_path):
     from lightning_adaptiveload.bucketing.policy import TieredPolicy
 

@@ -347,6 +347,7 @@ def test_compiled_blocks_match_eager_with_one_graph_for_every_bucket(monkeypatch
     assert counter.frame_count == 1
 
 
+@pytest.mark.slow  # 10-13 s on a 2-core CPU
 def test_compiled_blocks_under_ddp_compile_one_graph_each(monkeypatch):
     import socket
 
