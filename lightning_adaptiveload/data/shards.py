@@ -376,7 +376,7 @@ class ShardedLatentDataset(Dataset):
         """Stream the index into compact arrays (26 bytes a row), and each shard's furthest byte needed.
 
         Streaming by row group keeps the peak near the final arrays instead of the whole Arrow table
-        plus its NumPy copies (10^7 rows: see benchmarks/results/shards_cpu.json). Two columns are
+        plus its NumPy copies (10^7 rows: see benchmarks/results/shards.json). Two columns are
         narrower than the index's while the values allow (widened once, on the first row that needs
         it): start offsets in tar blocks (uint32, shards up to 2 TiB) and token grids in int16.
         """
