@@ -182,7 +182,7 @@ def calibrate(
         if settings.m_mem is not None:
             check_oversize(grids, counts, settings.m_mem, oversize, f"(m_mem={settings.m_mem:,})", samples)
         target = trainee() if callable(trainee) and not isinstance(trainee, Trainee) else trainee
-        cal = profile_modes(grids, counts, settings, target, key, say=say, warn=warn)
+        cal = profile_modes(grids, settings, target, key, say=say, warn=warn)
         # Timings are maxima over ranks, so every rank fits the same models; broadcasting rank 0's
         # record makes agreement exact regardless of floating-point reduction order.
         cal = record.Calibration.from_json(broadcast(cal.to_json()))
@@ -233,7 +233,7 @@ def derive_for(cal: record.Calibration, grids: np.ndarray, counts: np.ndarray, s
                                 step_budget_s=budget, oversize=oversize, seed=seed, tiers=tiers)
 
 
-def profile_modes(grids: np.ndarray, counts: np.ndarray, settings: ProfileSettings, trainee: Trainee,
+def profile_modes(grids: np.ndarray, settings: ProfileSettings, trainee: Trainee,
                   key: dict[str, Any], *, say: Callable[[str], None] = lambda line: None,
                   warn: Callable[[str], None] = lambda line: None) -> record.Calibration:
     """Profile the corpus (per mode with ``trainee.modes``), fit the models and return the record."""
@@ -243,8 +243,7 @@ def profile_modes(grids: np.ndarray, counts: np.ndarray, settings: ProfileSettin
     modes: tuple[str | None, ...] = trainee.modes or (None,)
     seq_all = grids.prod(axis=1)
     if settings.m_mem is not None:
-        grids, counts, seq_all = grids[seq_all <= settings.m_mem], counts[seq_all <= settings.m_mem], \
-            seq_all[seq_all <= settings.m_mem]
+        grids, seq_all = grids[seq_all <= settings.m_mem], seq_all[seq_all <= settings.m_mem]
     say(f"profiling {len(np.unique(seq_all))} sequence lengths on {trainee.device_name} x {trainee.world_size}"
         + (f", per-bucket activation checkpointing {' -> '.join(trainee.modes)}" if trainee.modes else "")
         + f" (at most {settings.shape_time_s:.0f} s a shape, budget {settings.time_budget_s:.0f} s)")
@@ -297,7 +296,10 @@ def profile_modes(grids: np.ndarray, counts: np.ndarray, settings: ProfileSettin
     if trainee.modes:
         tiers = derive.fit_tiers(by_mode, cost_model, memory_model, limit, base_mode)  # type: ignore[arg-type]
         if not tiers:
-            tiers = [derive.ModeTier(modes[-1], int(seq_all.min()), 1.0, memory_model)]  # nothing fits: oversize
+            raise ValueError(
+                f"no sequence length trains one sample within the memory limit in any activation-checkpointing mode "
+                f"({', '.join(trainee.modes)}; the shortest is S={int(seq_all.min()):,}). Shard the model (FSDP) or "
+                f"lower `memory_margin` ({settings.memory_margin}).")
         extra["checkpointing"] = {"tiers": [t.to_dict() for t in tiers], "base_mode": base_mode,
                                   "modes": list(trainee.modes)}
         say("activation checkpointing per bucket: " + ", ".join(

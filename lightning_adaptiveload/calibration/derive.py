@@ -304,11 +304,12 @@ class Derivation:
         return getattr(self.policy, "cost_model", None) if self.tiers else None
 
     def mode_for(self, seq_len: int) -> str | None:
-        """The activation-checkpointing mode of a bucket (``None``: one mode, or S above every tier)."""
-        for t in self.tiers:
-            if seq_len <= t["max_seq_len"]:
-                return t["mode"]
-        return None
+        """The activation-checkpointing mode of a bucket (``None``: no tiers, or S above every tier): the
+        policy's own rule (:meth:`TieredPolicy.mode_for`), or the one tier's mode."""
+        mode_for = getattr(self.policy, "mode_for", None)
+        if mode_for is not None:
+            return mode_for(seq_len)
+        return self.tiers[0]["mode"] if self.tiers else None
 
     def to_dict(self) -> dict[str, Any]:
         return {

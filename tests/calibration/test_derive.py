@@ -228,3 +228,20 @@ def test_tiers_beyond_the_base_mode_keep_their_budget_at_what_they_measured():
     assert m_none == (90 - 8) * 1000 // 2  # the base mode: its fitted model
     # selective's one-point line would allow (90 - 8) / 12 * 8000 = 54,666 tokens; it keeps 8,000, measured.
     assert m_sel == 8000 and "largest batch measured" in how
+
+
+def test_a_profile_where_no_mode_fits_one_sample_is_an_error_naming_the_fix():
+    import time
+
+    from lightning_adaptiveload.calibration.calibrate import ProfileSettings, Trainee, profile_modes
+    from lightning_adaptiveload.calibration.profile import MemoryProbe
+
+    def make_step(b, grid):
+        return lambda: time.sleep(1e-4 * b * int(np.prod(grid)))
+
+    # Every step runs, but peaks at 1,000 bytes where 90 are allowed (100 less the 10% margin).
+    trainee = Trainee(make_step=make_step, modes=("none", "full"), set_mode=lambda mode: None, device_memory=100,
+                      memory=MemoryProbe(reset=lambda: None, peak=lambda: 1000))
+    grids = np.array([(1, 2, 2), (1, 4, 4), (2, 4, 4), (3, 4, 6), (5, 6, 6)])
+    with pytest.raises(ValueError, match=r"no sequence length trains one sample .* \(none, full; the shortest is S=4\)"):
+        profile_modes(grids, ProfileSettings(repeats=1, warmup=0, converge_rel=0.0), trainee, {"model": "x"})
