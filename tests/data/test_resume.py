@@ -8,38 +8,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import Dataset
+from test_datamodule import GridDataset  # the same tiny dataset (latents hold the sample index)
 
 from lightning_adaptiveload.bucketing.policy import DualConstraintPolicy
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
 
-GRIDS = np.array([(1, 2, 2), (1, 2, 3), (3, 2, 2), (2, 3, 3)])
 POLICY = DualConstraintPolicy(m_mem=24, m_comp=24 * 4, p=2)
 N = 16
 KEY = "AdaptiveLoadDataModule"
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::lightning.fabric.utilities.warnings.PossibleUserWarning")
-
-
-class GridDataset(Dataset):
-    """Token grids from 'metadata', latents filled with the sample's index."""
-
-    def __init__(self, n: int, seed: int = 0) -> None:
-        self.grids = GRIDS[np.random.default_rng(seed).integers(0, len(GRIDS), n)]
-
-    def __len__(self) -> int:
-        return len(self.grids)
-
-    def token_grids(self) -> np.ndarray:
-        return self.grids
-
-    def __getitem__(self, i: int) -> dict:
-        f, h, w = (int(v) for v in self.grids[i])
-        return {"latents": torch.full((4, f, 2 * h, 2 * w), float(i)), "context": torch.zeros(3, 8), "index": i}
 
 
 class LossModule(LightningModule):
