@@ -12,8 +12,8 @@ in which something compiled is not counted. The seconds spent compiling are reco
 Every decision that ranks must share (out of memory, out of time) goes
 through the collectives, so all ranks run the same steps. Bounds:
 
-- a shape stops starting new steps once its own time reaches ``shape_time_s`` (at least one timed
-  step is kept; a step in flight is never interrupted), or once two timed steps or more agree to
+- a shape starts no step that its last timed step predicts would end past ``shape_time_s`` of its
+  own time, compiling excluded (at least one timed step is kept; a step in flight is never interrupted), or once two timed steps or more agree to
   within ``stable_rel`` of their median (more repetitions would not move the median by more);
 - the run stops starting new shapes once ``time_budget_s`` is spent and every sequence length has one
   measurement (the first pass), and shapes after the first pass get at most the budget that is left;
@@ -245,7 +245,7 @@ def profile(
         collectives: cross-rank max and broadcast; default: one process.
         warmup: untimed steps per shape.
         repeats: at most this many timed steps per shape (the median is kept).
-        shape_time_s: a shape starts no new step after this many seconds.
+        shape_time_s: a shape starts no step predicted to end after this many seconds of its own time.
         time_budget_s: no new shape after the first pass once this many seconds are spent.
         synchronize: waits for the device (called around every timed step).
         memory: peak-memory hooks; peaks are maxima over ranks.
@@ -391,7 +391,9 @@ def _profile_one(make_step, shape: Shape, coll: Collectives, warmup: int, repeat
                 break
             # Ranks agree on whether to start another step: rank 0's clock decides. Compiling does not
             # count against the shape's time (it is paid once, and training would pay it anyway).
-            if times and coll.broadcast(clock() - t_shape - (compiled() - c_shape) >= limit):
+            # A step predicted to end past the limit is not started (at least one timed step is kept):
+            # at a few seconds a step, one timed step is already within a percent of the median.
+            if times and coll.broadcast(clock() - t_shape - (compiled() - c_shape) + times[-1] > limit):
                 break
             if stable_rel > 0 and len(times) >= 2 and coll.broadcast(
                     max(times) - min(times) <= stable_rel * float(np.median(times))):

@@ -83,7 +83,8 @@ class ShapeBenchmarkCallback(Callback):
         stable_rel: A shape stops early once two or more timed steps span at most this fraction of
             their median (0: always ``repeats``).
         warmup: Untimed steps per shape before timing (a compiled model's steps that compile nothing count).
-        shape_time_s: A shape starts no new step after this many seconds, compile time excluded.
+        shape_time_s: A shape starts no step that its last one predicts would end after this many
+            seconds of the shape's time, compile time excluded.
         time_budget_s: No new shape is started after this many seconds, once every sequence length
             has been measured.
         converge_rel: Shapes after the first pass stop once two in a row were predicted within this

@@ -83,6 +83,19 @@ def test_shape_time_bound_keeps_one_timed_step_and_reports_slow_steps():
     assert any("timed 1/5: 10.0 s" in line for line in lines)
 
 
+def test_a_step_that_would_end_past_the_shape_time_is_not_started():
+    # 6 s steps under a 10 s bound: after the first timed step (6 s) a second would end at 12 s.
+    clock = Clock()
+    m = profile(_stepper(clock, lambda b, s: 6.0), [Shape(1, (1, 1, 7))], warmup=0, repeats=5,
+                shape_time_s=10.0, clock=clock)
+    assert m[0].timed_steps == 1 and m[0].seconds == pytest.approx(6.0)
+    # 4 s steps: a second one ends at 8 s (started), a third would end at 12 s (not started).
+    clock = Clock()
+    m = profile(_stepper(clock, lambda b, s: 4.0), [Shape(1, (1, 1, 7))], warmup=0, repeats=5,
+                shape_time_s=10.0, clock=clock)
+    assert m[0].timed_steps == 2 and m[0].seconds == pytest.approx(8.0)
+
+
 def test_total_budget_stops_after_the_first_pass():
     clock = Clock()
     plan = plan_grid(np.array([(1, 1, 10), (1, 1, 20), (1, 1, 40)]), batch_sizes=[1, 2, 4])
