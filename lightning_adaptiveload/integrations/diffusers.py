@@ -64,7 +64,6 @@ from lightning_adaptiveload.models.compiling import (
     mark_dynamic,
     whole_block_graphs,
 )
-from lightning_adaptiveload.models.fp8 import check_fp8
 from lightning_adaptiveload.models.optim import check_optimizer_impl
 from lightning_adaptiveload.models.rectified_flow import RectifiedFlowModule, check_training_arguments
 from lightning_adaptiveload.models.wan import WanConfig, checkpointing_mode, run_checkpointed
@@ -415,11 +414,6 @@ class DiffusersWanModule(RectifiedFlowModule):
         warmup_steps: linear learning-rate warmup over this many optimizer steps (0: none).
         batch_keys: the batch's key names where they differ from ours, e.g.
             ``{"latents": "hidden_states", "context": "encoder_hidden_states"}``.
-        fp8: run the linear layers of every ``WanTransformerBlock`` in FP8 through torchao's float8 training
-            (``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``; ``None``, the default: bf16), as
-            :class:`~lightning_adaptiveload.models.FlowMatchingModule` does: ``attn2``'s K/V projections (text
-            and image tokens) and everything outside the blocks stay bf16. Converted in :meth:`configure_model`,
-            before compiling; needs torchao and a CUDA GPU of compute capability >= 8.9.
 
     Example::
 
@@ -427,11 +421,6 @@ class DiffusersWanModule(RectifiedFlowModule):
         trainer = Trainer(precision="bf16-mixed", callbacks=[FusedAdaLNCallback()])
         trainer.fit(module, datamodule=dm)
     """
-
-    # attn2 (cross-attention) K/V, plain, fused (`fuse_projections`) and for image tokens (I2V): they run on
-    # the B x 512 text (and 257 image) tokens, too few rows for FP8 to pay.
-    fp8_excluded = frozenset({"attn2.to_k", "attn2.to_v", "attn2.to_kv", "attn2.add_k_proj", "attn2.add_v_proj",
-                              "attn2.to_added_kv"})
 
     def __init__(
         self,
@@ -451,12 +440,10 @@ class DiffusersWanModule(RectifiedFlowModule):
         seed: int | None = None,
         warmup_steps: int = 0,
         batch_keys: Mapping[str, str] | None = None,
-        fp8: str | None = None,
     ) -> None:
         super().__init__()
         cls = type(self).__name__
         check_optimizer_impl(optimizer_impl, cls)
-        check_fp8(cls, fp8)
         compile_options = check_compile_options(compile_options, compile, cls)
         if isinstance(transformer, WanTransformer3DModel):
             config = {k: v for k, v in transformer.config.items() if not k.startswith("_")}
@@ -542,15 +529,11 @@ class DiffusersWanModule(RectifiedFlowModule):
 
     @override
     def configure_model(self) -> None:
-        """Build the transformer from its config once (Lightning calls this in the strategy's init context), then
-        convert its blocks' linear layers to FP8 (with ``fp8``; here, where the run's device is known) and
-        compile the blocks (with ``compile``)."""
+        """Build the transformer from its config once (Lightning calls this in the strategy's init context)."""
         if self.transformer is None:
             model = WanTransformer3DModel(**self.transformer_config)
             self._prepare_blocks(model)
             self.transformer = model
-        # Before compiling: the graphs trace Float8Linear.
-        self._convert_blocks_to_fp8(self.transformer.blocks)
         if self.hparams.get("compile", False) and not self._blocks_compiled:
             # Lazy: the forwards that FusedAdaLNCallback patches in before the first step are traced.
             options = self.hparams.get("compile_options")

@@ -11,7 +11,6 @@ import torch
 from typing_extensions import override
 
 from lightning_adaptiveload.models.compiling import check_compile_options
-from lightning_adaptiveload.models.fp8 import check_fp8
 from lightning_adaptiveload.models.optim import check_optimizer_impl
 from lightning_adaptiveload.models.rectified_flow import (
     OUTSIDE_STREAM,
@@ -106,13 +105,6 @@ class FlowMatchingModule(RectifiedFlowModule):
             clipping), else PyTorch's default. Measured on an H200 (1.3B): the clipping + update phase
             of a step takes 29-32 ms fused, 47-51 ms foreach. Gradient clipping
             works with either (see :meth:`configure_gradient_clipping`).
-        fp8: run the linear layers of the transformer blocks in FP8 through torchao's float8 training:
-            ``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"`` (torchao's recipes); ``None`` (the
-            default): bf16. The cross-attention K/V projections (text tokens) and everything outside the
-            blocks stay bf16 (:mod:`lightning_adaptiveload.models.fp8`). Converted in
-            :meth:`configure_model`, before compiling and sharding; needs torchao
-            (``pip install 'lightning-adaptiveload[fp8]'``) and a CUDA GPU of compute capability >= 8.9
-            (an error there otherwise).
 
     Timesteps and noise of a training micro-batch come from a ``torch.Generator`` on the batch's
     device seeded by :func:`draw_seed` from (seed, global step, global rank, micro-batch index
@@ -139,8 +131,6 @@ class FlowMatchingModule(RectifiedFlowModule):
     """
 
     supports_sequence_parallel = True
-    # Cross-attention K/V run on the B x text_len context tokens: too few rows for FP8 to pay.
-    fp8_excluded = frozenset({"cross_attn.k", "cross_attn.v"})
 
     def __init__(
         self,
@@ -159,13 +149,11 @@ class FlowMatchingModule(RectifiedFlowModule):
         fsdp_param_dtype: str = "bfloat16",
         optimizer_impl: str = "auto",
         compile_options: Mapping[str, Any] | None = None,
-        fp8: str | None = None,
     ) -> None:
         super().__init__()
         cls = type(self).__name__
         compile_options = check_compile_options(compile_options, compile, cls)
         check_optimizer_impl(optimizer_impl, cls)
-        check_fp8(cls, fp8)
         if fsdp_param_dtype not in _PARAM_DTYPES:
             raise ValueError(
                 f"`{cls}(fsdp_param_dtype={fsdp_param_dtype!r})` is not valid. Expected one of {sorted(_PARAM_DTYPES)}."
@@ -226,10 +214,9 @@ class FlowMatchingModule(RectifiedFlowModule):
     def configure_model(self) -> None:
         """Build the Wan model once (Lightning calls this inside the strategy's init context).
 
-        With a device mesh (FSDP2/HSDP): on the meta device, the blocks' linear layers converted to FP8
-        (with ``fp8``), checkpointing inside each block, each block compiled, then ``fully_shard`` per
-        block and the root (torchtitan's order), then each rank's shards allocated and initialised or
-        loaded. Without one: the dense model, its blocks prepared in the same order.
+        With a device mesh (FSDP2/HSDP): on the meta device, checkpointing inside each block, each
+        block compiled, then ``fully_shard`` per block and the root (torchtitan's order), then each
+        rank's shards allocated and initialised or loaded. Without one: the dense model.
         """
         if self.model is not None:
             return
@@ -275,8 +262,6 @@ class FlowMatchingModule(RectifiedFlowModule):
         self.model = model
 
     def _prepare_blocks(self, model: WanModel) -> None:
-        # Before compiling (the graphs trace Float8Linear) and before fully_shard.
-        self._convert_blocks_to_fp8(model.blocks)
         model.set_gradient_checkpointing(self._initial_checkpointing())
         if self.hparams.get("compile", False):
             # Compilation is lazy: modules swapped in after this (FusedAdaLNCallback) are what gets traced.

@@ -5,9 +5,8 @@ Both train a Wan 2.1 DiT with Wan's objective and differ only in the model they 
 everything else lives here once: argument checks, draw-seeded timesteps and noise (exact losses after a
 resume), the training step with its throughput logs, the protocol members the callbacks use
 (``compute_loss``, ``synthetic_batch``, ``batch_shape``, ``flops_per_sample``, the activation-checkpointing
-protocol, ``calibration_key``), the data checks made before the shape benchmark profiles, the FP8 conversion of
-the blocks' linear layers (:mod:`lightning_adaptiveload.models.fp8`), and AdamW with its clipping
-(:mod:`lightning_adaptiveload.models.optim`).
+protocol, ``calibration_key``), the data checks made before the shape benchmark profiles, and AdamW with
+its clipping (:mod:`lightning_adaptiveload.models.optim`).
 
 A subclass builds its model in ``configure_model`` and provides the few members marked "subclass" below.
 """
@@ -27,12 +26,11 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
 from lightning_adaptiveload.geometry import latent_of_grid, tokens_of
-from lightning_adaptiveload.models.fp8 import check_fp8_device, convert_blocks_to_fp8
 from lightning_adaptiveload.models.optim import adamw, clip_gradients, use_fused_adamw
 from lightning_adaptiveload.models.wan import (
     CHECKPOINTING_MODES,
@@ -167,7 +165,7 @@ class RectifiedFlowModule(pl.LightningModule):
     Subclasses call :func:`check_training_arguments` and ``save_hyperparameters()`` (hparams ``lr``,
     ``weight_decay``, ``betas``, ``eps``, ``timestep_shift``, ``num_train_timesteps``,
     ``activation_checkpointing``, optionally ``warmup_steps``, ``seed``, ``compile``, ``compile_options``,
-    ``optimizer_impl``, ``fp8``), build the model in ``configure_model`` and provide the members marked
+    ``optimizer_impl``), build the model in ``configure_model`` and provide the members marked
     "subclass". Batches are mappings; :attr:`batch_keys` names their latents and context.
     """
 
@@ -175,9 +173,6 @@ class RectifiedFlowModule(pl.LightningModule):
     checkpointing_modes: tuple[str, ...] = CHECKPOINTING_MODES
     #: Whether batches with ``sp_degree > 1`` are trained (through :attr:`sequence_parallel`).
     supports_sequence_parallel: bool = False
-    #: Subclass: names inside a block of the linear layers ``fp8`` leaves in bf16 (the cross-attention K/V
-    #: projections, which run on the text tokens; :mod:`lightning_adaptiveload.models.fp8`).
-    fp8_excluded: frozenset[str] = frozenset()
 
     def __init__(self) -> None:
         super().__init__()
@@ -191,8 +186,6 @@ class RectifiedFlowModule(pl.LightningModule):
         # (global step, index) of the last training micro-batch: the index counts micro-batches of
         # one optimizer step under gradient accumulation.
         self._micro_batch: tuple[int, int] = (-1, 0)
-        # Qualified names of the linear layers `_convert_blocks_to_fp8` converted; None: not run yet.
-        self.fp8_layers: list[str] | None = None
 
     # ------------------------------------------------------------------ subclass
     @property
@@ -228,25 +221,6 @@ class RectifiedFlowModule(pl.LightningModule):
                 "(the Trainer does this in `fit`)."
             )
         return model
-
-    def _convert_blocks_to_fp8(self, blocks: Sequence[nn.Module]) -> None:
-        """With ``fp8`` set, once: check that the run's device has FP8 matmuls (the Trainer's root device, else
-        the current CUDA device, else the CPU), then swap the blocks' linear layers, but those named in
-        :attr:`fp8_excluded`, for torchao's ``Float8Linear``
-        (:func:`~lightning_adaptiveload.models.fp8.convert_blocks_to_fp8`). Call it with the model's ``blocks``
-        before they are compiled or sharded."""
-        recipe = self.hparams.get("fp8")
-        if recipe is None or self.fp8_layers is not None:
-            return
-        cls = type(self).__name__
-        if self._trainer is not None:
-            device = self.trainer.strategy.root_device
-        else:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        check_fp8_device(cls, recipe, device)
-        self.fp8_layers = convert_blocks_to_fp8(blocks, recipe, self.fp8_excluded, owner=cls)
-        rank_zero_info(f"`{cls}(fp8={recipe!r})`: {len(self.fp8_layers)} linear layers of the blocks run in FP8 "
-                       "(torchao Float8Linear).")
 
     # ------------------------------------------------------------------ activation checkpointing
     @property
@@ -297,8 +271,7 @@ class RectifiedFlowModule(pl.LightningModule):
         The shape benchmark's calibration key merges this dict, so a calibration profiled under other
         values is profiled again: the context length, the activation-checkpointing setting as configured
         (``"auto"`` or the fixed mode; an ``"auto"`` calibration records the mode it chose), ``compile``
-        and its inductor options, the ``fp8`` recipe (``None``: bf16), and the number of AdaLN sites fused by
-        ``FusedAdaLNCallback``.
+        and its inductor options, and the number of AdaLN sites fused by ``FusedAdaLNCallback``.
         """
         hp = self.hparams
         setting = hp.activation_checkpointing
@@ -307,7 +280,6 @@ class RectifiedFlowModule(pl.LightningModule):
             "activation_checkpointing": "auto" if setting == "auto" else checkpointing_mode(setting),
             "compile": bool(hp.get("compile", False)),
             "compile_options": hp.get("compile_options") or None,
-            "fp8": hp.get("fp8"),
             "fused_adaln_sites": self._fused_adaln_sites(),
         })
 
