@@ -18,9 +18,12 @@ The group times of a step add up to its wall time (kernels that overlap count on
 in this order). Model FLOPs are split into attention (self and cross ``S²``/``S·L`` terms) and the rest
 (matmuls), counted as forward + backward = 3 × forward, the convention of MFU.
 
-Ceilings measured in the same process, after training, at each shape: SDPA forward + backward on
-``[B, heads, S, head_dim]`` (self) and against the text length (cross), and the block's linear layers
-(q/k/v/o, FFN up/down, each ``y = x·Wᵀ``, ``dx``, ``dW``) at ``M = B·S``, bf16, CUDA events.
+Ceilings measured in the same process, after training, at each shape: the same operations alone, bf16,
+CUDA events, median of 10 — SDPA forward + backward (``torch.autograd.grad``) in the model's layout
+(``[B, S, heads, head_dim]`` viewed heads-first) for self-attention and against the text length for
+cross-attention, and ``F.linear`` with a bias, forward + backward, for the block's linear layers
+(q/k/v/o, FFN up/down) at ``M = B·S``. A negative ``in_step_loss`` says the step ran the work faster
+than the microbenchmark did (then the microbenchmark is no ceiling for that shape).
 
 The record gives, per shape: the step time (median of untraced steady steps and the traced ones), MFU,
 each group's milliseconds and share of the step, achieved TFLOP/s of attention and GEMM in the step against
@@ -210,20 +213,27 @@ def _ms(split: dict[str, Any]) -> dict[str, Any]:
     return {k: (round(v / 1e3, 3) if isinstance(v, float) else v) for k, v in split.items()}
 
 
-def ceilings(shapes, config, dtype_name: str = "bfloat16", reps: int = 10) -> dict[str, Any]:
-    """SDPA and the block's GEMMs, forward + backward, at each shape, alone on the device (CUDA only)."""
+def ceilings(shapes, config, dtype_name: str = "bfloat16", reps: int = 10, device: str = "cuda") -> dict[str, Any]:
+    """SDPA and the block's GEMMs, forward + backward, at each shape, alone on ``device`` (CUDA events;
+    on a CPU, for tests, the host clock)."""
     import torch
     import torch.nn.functional as F
 
     dtype = getattr(torch, dtype_name)
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     heads, hd, d, ffn, text = config.num_heads, config.head_dim, config.dim, config.ffn_dim, config.text_len
 
     def timed(fn) -> float:
         fn()
+        times = []
+        if dev.type != "cuda":
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times)
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
         for _ in range(reps):
             start.record()
             fn()
@@ -237,13 +247,14 @@ def ceilings(shapes, config, dtype_name: str = "bfloat16", reps: int = 10) -> di
         s = math.prod(grid)
         row: dict[str, Any] = {}
         for name, kv_len in (("self_attention", s), ("cross_attention", text)):
-            q = torch.randn(b, heads, s, hd, device=dev, dtype=dtype, requires_grad=True)
-            k = torch.randn(b, heads, kv_len, hd, device=dev, dtype=dtype, requires_grad=True)
-            v = torch.randn(b, heads, kv_len, hd, device=dev, dtype=dtype, requires_grad=True)
-            g = torch.randn(b, heads, s, hd, device=dev, dtype=dtype)
+            # The model's layout ([B, S, heads, head_dim] transposed to heads-first) and its backward
+            # (autograd.grad, no accumulation into .grad).
+            q, k, v = (torch.randn(b, n, heads, hd, device=dev, dtype=dtype).transpose(1, 2).requires_grad_()
+                       for n in (s, kv_len, kv_len))
+            g = torch.randn(b, s, heads, hd, device=dev, dtype=dtype).transpose(1, 2)
 
             def sdpa(q=q, k=k, v=v, g=g):
-                F.scaled_dot_product_attention(q, k, v).backward(g)
+                torch.autograd.grad(F.scaled_dot_product_attention(q, k, v), (q, k, v), g)
 
             t = timed(sdpa)
             flops = 3 * 4 * b * s * kv_len * d  # the model-FLOP convention: 3 x forward
@@ -252,24 +263,25 @@ def ceilings(shapes, config, dtype_name: str = "bfloat16", reps: int = 10) -> di
         m = b * s
         gemm_t, gemm_f = 0.0, 0.0
         for name, (n_in, n_out) in {"qkvo": (d, d), "ffn_up": (d, ffn), "ffn_down": (ffn, d)}.items():
-            x = torch.randn(m, n_in, device=dev, dtype=dtype)
-            w = torch.randn(n_out, n_in, device=dev, dtype=dtype)
+            # The call the model makes: F.linear with a bias, forward and its three backward products.
+            x = torch.randn(m, n_in, device=dev, dtype=dtype, requires_grad=True)
+            w = torch.randn(n_out, n_in, device=dev, dtype=dtype, requires_grad=True)
+            bias = torch.randn(n_out, device=dev, dtype=dtype, requires_grad=True)
             dy = torch.randn(m, n_out, device=dev, dtype=dtype)
 
-            def lin(x=x, w=w, dy=dy):
-                x @ w.t()
-                dy @ w
-                dy.t() @ x
+            def lin(x=x, w=w, bias=bias, dy=dy):
+                torch.autograd.grad(F.linear(x, w, bias), (x, w, bias), dy)
 
             t = timed(lin)
             flops = 3 * 2 * m * n_in * n_out
             row[name] = {"ms": t * 1e3, "tflops": flops / t / 1e12}
             count = 6 if name == "qkvo" else 1  # self q,k,v,o + cross q,o run at M = B*S
             gemm_t, gemm_f = gemm_t + count * t, gemm_f + count * flops
-            del x, w, dy
+            del x, w, bias, dy
         row["block_gemms_tflops"] = gemm_f / gemm_t / 1e12
         out[f"{b}x{s}"] = row
-        torch.cuda.empty_cache()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     return out
 
 

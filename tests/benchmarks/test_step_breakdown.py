@@ -81,3 +81,18 @@ def test_runs_through_the_product_on_cpu(tmp_path):
         assert sum(entry["points"].values()) == pytest.approx(1.0, abs=1e-6)
         b, s = (int(v) for v in key.split("x"))
         assert entry["tokens_per_s"] == pytest.approx(b * s / (entry["step_ms"] / 1e3))
+
+
+def test_ceilings_time_the_step_operations_and_count_their_flops():
+    from lightning_adaptiveload.models.wan import WAN_CONFIGS
+
+    config = WAN_CONFIGS["tiny"]
+    ceil = _load().ceilings([(2, (1, 4, 4))], config, dtype_name="float32", reps=2, device="cpu")["2x16"]
+    for name, flops in (("self_attention", 3 * 4 * 2 * 16 * 16 * 64), ("cross_attention", 3 * 4 * 2 * 16 * 16 * 64),
+                        ("qkvo", 3 * 2 * 32 * 64 * 64), ("ffn_up", 3 * 2 * 32 * 64 * 128)):
+        assert ceil[name]["ms"] > 0
+        assert ceil[name]["tflops"] == pytest.approx(flops / (ceil[name]["ms"] / 1e3) / 1e12)
+    # The block's GEMMs: six D x D projections at M = B*S (self q, k, v, o; cross q, o) and the FFN.
+    seconds = (6 * ceil["qkvo"]["ms"] + ceil["ffn_up"]["ms"] + ceil["ffn_down"]["ms"]) / 1e3
+    flops = 3 * 2 * 32 * (6 * 64 * 64 + 2 * 64 * 128)
+    assert ceil["block_gemms_tflops"] == pytest.approx(flops / seconds / 1e12)
