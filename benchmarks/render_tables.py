@@ -1,7 +1,7 @@
 """Print the markdown tables of docs/benchmarks.md from the result files in benchmarks/results/.
 
     python benchmarks/render_tables.py            # all tables
-    python benchmarks/render_tables.py adaln      # one of: adaln, sampler
+    python benchmarks/render_tables.py adaln      # one of: adaln, sampler, breakdown
 """
 
 from __future__ import annotations
@@ -79,7 +79,14 @@ def sampler() -> str:
     return "\n".join(out)
 
 
-TABLES = {"adaln": adaln, "sampler": sampler}
+def breakdown() -> str:
+    """The latest record of ``step_breakdown_h200x1.json`` (step_breakdown.py's own table)."""
+    from step_breakdown import table
+
+    return table(load_result(RESULTS / "step_breakdown_h200x1.json"))
+
+
+TABLES = {"adaln": adaln, "sampler": sampler, "breakdown": breakdown}
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or list(TABLES):
