@@ -31,6 +31,7 @@ each processing 1/k of its tokens: each of them counts 1/k of the batch's tokens
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -184,6 +185,9 @@ class BalanceMonitor(Callback):
         self._t_val: float | None = None
         self._allocator0 = (0, 0)  # the allocator's counters at the current batch's start
         self._warned_retries = False
+        self._flops_fn: Any = None
+        #: :meth:`epoch_estimate` of the DataModule's plan, computed at the end of fit (``None``: none).
+        self.epoch: dict[str, float] | None = None
         self._reset_totals(0)
 
     def _reset_totals(self, world_size: int) -> None:
@@ -208,6 +212,7 @@ class BalanceMonitor(Callback):
         self._reset_totals(trainer.world_size)
         self._t0 = self._t_fwd = None
         self._seen = 0
+        self.epoch = None
         self._peak_tflops = self.peak_tflops or _device_peak_tflops(pl_module.device)
 
     @override
@@ -216,6 +221,8 @@ class BalanceMonitor(Callback):
         self._active_cost_model = self.cost_model
         if self._active_cost_model is None:
             self._active_cost_model = getattr(trainer.datamodule, "cost_model", None)
+        flops_fn = getattr(pl_module, "flops_per_sample", None)
+        self._flops_fn = flops_fn if callable(flops_fn) else None
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -354,6 +361,10 @@ class BalanceMonitor(Callback):
         out["alloc_retries"] = float(self._per_rank_sum[:, 7].max()) if self._per_rank_sum.size else 0.0  # a total
         out["device_allocs"] = float(self._per_rank_sum[:, 8].max()) if self._per_rank_sum.size else 0.0  # a total
         out["steps"] = float(self._steps)
+        if self.epoch is not None:
+            out["epoch_tokens_per_s"] = self.epoch["tokens_per_s"]
+            if "mfu" in self.epoch:
+                out["epoch_mfu"] = self.epoch["mfu"]
         return out
 
     def per_shape(self) -> list[dict[str, float]]:
@@ -374,8 +385,62 @@ class BalanceMonitor(Callback):
             out.append(row)
         return out
 
+    def epoch_estimate(self, plan: Sequence[Mapping[str, Any]]) -> dict[str, float] | None:
+        """Tokens/s (and MFU) of one epoch of ``plan`` at the step times this rank measured per batch shape.
+
+        A short run draws few of an epoch's buckets, so its tokens/s depends on which buckets it drew
+        (two runs of one configuration on a mixed corpus can differ by 15%); this weighs every bucket by
+        its batches in the epoch instead. A bucket whose (B, S) was measured (after the warm-up) takes its
+        mean step time; one that was not takes its predicted compute times R, the measured over the
+        predicted time of the measured buckets together. On W ranks the epoch's batches are spread
+        evenly (an SP batch holds its k ranks) and the measured bubble is kept:
+        ``time = Σ batches · t · k / W / (1 - bubble)``, ``tokens = Σ samples · S`` (``batches · B · S``
+        for rows without ``samples``).
+
+        Args:
+            plan: rows of the DataModule's ``bucket_table()`` (``seq_len``, ``batch_size``, ``batches``,
+                optionally ``samples`` and ``sp_degree``); a row with ``batch_size`` 0 (skipped) is left out.
+
+        Returns:
+            ``tokens_per_s``, ``mfu`` (with the module's FLOP count and a peak), ``measured_buckets``,
+            ``buckets``, ``measured_time_frac`` (the measured buckets' share of the epoch's time) and
+            ``ratio`` (R); ``None`` when no bucket of the plan was measured.
+        """
+        rows = [r for r in plan if int(r.get("batch_size", 0)) > 0 and int(r.get("batches", 0)) > 0]
+        measured = {key: sums for key, sums in self._shape_sums.items() if sums[0] > 0}
+        hit = [(int(r["batch_size"]), int(r["seq_len"])) in measured for r in rows]
+        if not any(hit):
+            return None
+        world = max(1, self._per_rank_sum.shape[0])
+        seen = [measured[(int(r["batch_size"]), int(r["seq_len"]))] for r, h in zip(rows, hit, strict=True) if h]
+        pred_total = sum(float(v[2]) for v in seen)
+        ratio = sum(float(v[1]) for v in seen) / pred_total if pred_total > 0 else float("nan")
+        time_total = time_measured = tokens = flops = 0.0
+        for r, h in zip(rows, hit, strict=True):
+            b, s, n, k = int(r["batch_size"]), int(r["seq_len"]), int(r["batches"]), int(r.get("sp_degree", 1) or 1)
+            if h:
+                sums = measured[(b, s)]
+                t = float(sums[1] / sums[0])
+            else:
+                t = self._predicted_compute(b, s, k) * ratio
+            time_total += n * t * k
+            time_measured += n * t * k if h else 0.0
+            samples = int(r.get("samples", n * b))
+            tokens += samples * s
+            if self._flops_fn is not None:
+                flops += samples * float(self._flops_fn(s))
+        bubble = self.summary().get("bubble", 0.0)
+        seconds = time_total / world / max(1e-9, 1.0 - bubble)
+        out = {"tokens_per_s": tokens / seconds, "measured_buckets": float(sum(hit)), "buckets": float(len(rows)),
+               "measured_time_frac": time_measured / time_total, "ratio": ratio}
+        if flops > 0 and self._peak_tflops:
+            out["mfu"] = flops / seconds / world / 1e12 / self._peak_tflops
+        return out
+
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        table = getattr(getattr(trainer, "datamodule", None), "bucket_table", None)
+        self.epoch = self.epoch_estimate(table()) if callable(table) and self._steps else None
         if self.print_report and self._steps:
             self._print_report()
 
@@ -417,3 +482,12 @@ class BalanceMonitor(Callback):
             + (f" | allocator retries {int(s['alloc_retries'])}" if s.get("alloc_retries") else "")
             + (f" | device allocations {int(s['device_allocs'])}" if s.get("device_allocs") else "")
         )
+        e = self.epoch
+        if e is not None:
+            rest = "" if e["measured_buckets"] == e["buckets"] else f"; the rest predicted x {e['ratio']:.2f}"
+            console.print(
+                f"epoch of this plan at these step times: tokens/s {e['tokens_per_s']:,.0f}"
+                + (f", MFU {e['mfu']:.1%}" if "mfu" in e else "")
+                + f" ({int(e['measured_buckets'])} of {int(e['buckets'])} buckets measured, "
+                f"{e['measured_time_frac']:.0%} of the epoch's time{rest})"
+            )

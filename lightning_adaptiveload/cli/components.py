@@ -117,9 +117,9 @@ def format_summary(summary: dict[str, float]) -> str:
     for key, value in summary.items():
         if key == "steps":
             continue
-        if key.endswith("_cv") or key in ("bubble", "mfu", "data_wait_frac"):
+        if key.endswith("_cv") or key in ("bubble", "mfu", "epoch_mfu", "data_wait_frac"):
             parts.append(f"{key} {value:.2%}")
-        elif key == "tokens_per_s":
+        elif key in ("tokens_per_s", "epoch_tokens_per_s"):
             parts.append(f"{key} {value:,.0f}")
         elif key in ("alloc_retries", "device_allocs"):
             parts.append(f"{key} {int(value)} in total")

@@ -303,3 +303,46 @@ def test_peak_flops_come_from_lightning_except_the_h200(monkeypatch):
     name["value"] = "NVIDIA A100-SXM4-80GB"
     assert _device_peak_tflops(cuda) == pytest.approx(312.0)
     assert _device_peak_tflops(torch.device("cpu")) is None
+
+
+def test_epoch_estimate_weighs_every_bucket_by_its_batches_in_the_plan(tmp_path, monkeypatch, capsys):
+    # The run of the test above: B=3 x S=12 and B=1 x S=24 measured at 3 s a step (predicted 1.8 s and 1.2 s).
+    _fake_clock(monkeypatch)
+    data = [{"latents": torch.randn(3, 4, 2, 4, 6)} if k % 2 == 0 else {"latents": torch.randn(1, 4, 4, 4, 6)}
+            for k in range(7)]
+    loader = torch.utils.data.DataLoader(data, batch_size=None)
+    monitor = BalanceMonitor(cost_model=SimpleNamespace(predict=lambda b, s: 0.05 * b * s), warmup_steps=1,
+                             peak_tflops=100.0)
+    trainer = Trainer(default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=7, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      callbacks=[monitor])
+    trainer.fit(FlopsModule(), train_dataloaders=loader)
+    assert monitor.epoch is None  # no DataModule with a plan
+    plan = [{"seq_len": 12, "batch_size": 3, "batches": 10, "samples": 29},  # the last batch holds 2
+            {"seq_len": 24, "batch_size": 1, "batches": 5},
+            {"seq_len": 48, "batch_size": 2, "batches": 4},   # not measured: predicted 4.8 s x R
+            {"seq_len": 96, "batch_size": 0, "batches": 0}]   # skipped bucket: left out
+    e = monitor.epoch_estimate(plan)
+    ratio = (3 * 3.0 + 3 * 3.0) / (3 * 1.8 + 3 * 1.2)  # measured over predicted, the measured buckets together
+    seconds = 10 * 3.0 + 5 * 3.0 + 4 * 4.8 * ratio
+    tokens = 29 * 12 + 5 * 24 + 4 * 96
+    assert e["ratio"] == pytest.approx(ratio)
+    assert e["tokens_per_s"] == pytest.approx(tokens / seconds)
+    assert e["mfu"] == pytest.approx(tokens * 1e12 / seconds / 1e12 / 100.0)  # 1e12 FLOPs per token
+    assert (e["measured_buckets"], e["buckets"]) == (2, 3)
+    assert e["measured_time_frac"] == pytest.approx(45.0 / seconds)
+    assert monitor.epoch_estimate([{"seq_len": 48, "batch_size": 2, "batches": 4}]) is None  # nothing measured
+
+
+def test_epoch_estimate_spreads_the_epoch_over_the_ranks_and_keeps_the_bubble():
+    monitor = BalanceMonitor(cost_model=SimpleNamespace(predict=lambda b, s: 1.0))
+    # Two ranks, one counted step: 2 s and 4 s (bubble 1 - 3/4), B=1 x S=8 on this rank.
+    monitor._accumulate(np.array([[2.0, 1.0, 1.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+                                  [4.0, 1.0, 1.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0]]))
+    monitor._shape_sums[(1, 8)] = np.array([1.0, 2.0, 1.0, 0.0])
+    e = monitor.epoch_estimate([{"seq_len": 8, "batch_size": 1, "batches": 6},
+                                {"seq_len": 16, "batch_size": 1, "batches": 2, "sp_degree": 2}])
+    # SP batch: predicted by the planner's SP cost, and it holds 2 ranks.
+    t_sp = monitor._predicted_compute(1, 16, 2) * 2.0
+    seconds = (6 * 2.0 + 2 * t_sp * 2) / 2 / 0.75
+    assert e["tokens_per_s"] == pytest.approx((6 * 8 + 2 * 16) / seconds)
