@@ -2,27 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_e2e.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_e2e", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from benchmark_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e") / "e2e.json"
-    bench = _load()
+    bench = load_benchmark("bench_e2e")
     assert bench.main(["--model", "tiny", "--mixture", "tiny", "--num-samples", "200", "--accelerator", "cpu",
                        "--devices", "1", "--steps", "3", "--warmup", "1", "--workers", "0", "--m-mem", "0",
                        "--configs", "dual_cost,equal_token", "--profile-budget", "10", "--out", str(out)]) == 0
@@ -61,7 +51,7 @@ def test_numbers_are_balance_monitor_means(result):
 
 
 def test_fewer_blocks_are_stated(tmp_path):
-    bench = _load()
+    bench = load_benchmark("bench_e2e")
     args = bench._parse_args(["--blocks", "2"])
     overrides = bench._overrides(args, "dual_cost", tmp_path, 65_520, None)
     assert "++model.model.num_layers=2" in overrides
@@ -71,9 +61,6 @@ def test_fewer_blocks_are_stated(tmp_path):
 
 @pytest.mark.slow  # the result fixture runs the benchmark: ~11 s
 def test_plots(result, tmp_path):
-    spec = importlib.util.spec_from_file_location("plot_e2e", BENCH.with_name("plot_e2e.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    paths = mod.plot(result, tmp_path / "e2e")
+    paths = load_benchmark("plot_e2e").plot(result, tmp_path / "e2e")
     assert [p.name for p in paths] == ["e2e_tokens_per_s.png", "e2e_step_times.png", "e2e_loss.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)

@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_speed.py"
-
-
-def _load():
-    sys.path.insert(0, str(BENCH.parent))
-    spec = importlib.util.spec_from_file_location("bench_speed", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from benchmark_scripts import load_benchmark
 
 
 def test_runs_pinned_shapes_through_the_product_and_records_losses(tmp_path):
-    bench = _load()
+    bench = load_benchmark("bench_speed")
     out = tmp_path / "speed.json"
     assert bench.main(["--model", "tiny", "--shapes", "2x1x4x4,1x3x4x6", "--accelerator", "cpu",
                        "--settings", "eager_full,eager_full_fused", "--steps", "2", "--warmup", "1",
@@ -44,7 +33,7 @@ def test_runs_pinned_shapes_through_the_product_and_records_losses(tmp_path):
 
 
 def test_per_shape_leaves_out_warmup_and_compiling_steps():
-    bench = _load()
+    bench = load_benchmark("bench_speed")
     rows = [
         {"batch_size": 1, "seq_len": 8, "seconds": 9.0, "compile_s": 0.0, "tflops": 1.0, "peak_gib": 1.0},
         {"batch_size": 1, "seq_len": 8, "seconds": 5.0, "compile_s": 4.0, "tflops": 1.0, "peak_gib": 2.0},

@@ -3,20 +3,15 @@ bench_adaln.py has written (warm only, before the cold columns; warm and cold; o
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from benchmark_scripts import load_benchmark
 
 
 @pytest.fixture
 def render(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("render_tables", ROOT / "benchmarks" / "render_tables.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("render_tables")
     monkeypatch.setattr(module, "RESULTS", tmp_path)
     from _results import write_csv_run  # benchmarks/ is on sys.path once render_tables is loaded
 

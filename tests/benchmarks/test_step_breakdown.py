@@ -2,22 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "step_breakdown.py"
-
-
-def _load():
-    sys.path.insert(0, str(BENCH.parent))
-    spec = importlib.util.spec_from_file_location("step_breakdown", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from benchmark_scripts import load_benchmark
 
 
 @pytest.mark.parametrize(("name", "group"), [
@@ -34,11 +22,11 @@ def _load():
     ("void at::native::unrolled_elementwise_kernel<direct_copy_kernel_cuda>", "eager_elementwise"),
 ])
 def test_kernel_groups(name, group):
-    assert _load().kernel_group(name) == group
+    assert load_benchmark("step_breakdown").kernel_group(name) == group
 
 
 def test_split_counts_every_microsecond_once_and_adds_up_to_the_wall_time():
-    bench = _load()
+    bench = load_benchmark("step_breakdown")
     events = [
         {"name": "sm90_xmma_gemm_a", "ts": 0, "dur": 10},            # gemm 0-10
         {"name": "flash_fwd", "ts": 5, "dur": 10},                   # attention 5-15 (overlaps the GEMM)
@@ -59,14 +47,14 @@ def test_flop_split_adds_up_to_the_model_flops():
     from lightning_adaptiveload.models.wan import WAN_CONFIGS, wan_forward_flops
 
     config = WAN_CONFIGS["wan2_1_1_3b"]
-    split = _load().flop_split(config, 2, 7800)
+    split = load_benchmark("step_breakdown").flop_split(config, 2, 7800)
     assert split["total"] == 3 * 2 * wan_forward_flops(config, 7800)
     assert split["attention"] + split["gemm"] == split["total"]
     assert split["attention"] == 3 * 2 * 30 * (4 * 7800**2 * 1536 + 4 * 7800 * 512 * 1536)
 
 
 def test_runs_through_the_product_on_cpu(tmp_path):
-    bench = _load()
+    bench = load_benchmark("step_breakdown")
     out = tmp_path / "breakdown.json"
     assert bench.main(["--model", "tiny", "--shapes", "2x1x4x4,1x3x4x6", "--accelerator", "cpu",
                        "--setting", "eager_full", "--steps", "10", "--warmup", "2", "--profile-steps", "1",
@@ -87,7 +75,7 @@ def test_ceilings_time_the_step_operations_and_count_their_flops():
     from lightning_adaptiveload.models.wan import WAN_CONFIGS
 
     config = WAN_CONFIGS["tiny"]
-    ceil = _load().ceilings([(2, (1, 4, 4))], config, dtype_name="float32", reps=2, device="cpu")["2x16"]
+    ceil = load_benchmark("step_breakdown").ceilings([(2, (1, 4, 4))], config, dtype_name="float32", reps=2, device="cpu")["2x16"]
     for name, flops in (("self_attention", 3 * 4 * 2 * 16 * 16 * 64), ("cross_attention", 3 * 4 * 2 * 16 * 16 * 64),
                         ("qkvo", 3 * 2 * 32 * 64 * 64), ("ffn_up", 3 * 2 * 32 * 64 * 128)):
         assert ceil[name]["ms"] > 0
