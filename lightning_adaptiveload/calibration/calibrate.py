@@ -103,11 +103,18 @@ class CalibrationResult:
 
 
 def check_oversize(grids: np.ndarray, counts: np.ndarray, limit: int, oversize: str, budget: str = "",
-                   samples: tuple[np.ndarray, Any] | None = None) -> None:
+                   samples: tuple[np.ndarray, Any] | None = None, sp_degree: int = 1) -> None:
     """Raise :func:`~lightning_adaptiveload.bucketing.sampler.oversize_error` (the one rule for samples
     that cannot train even alone) for a corpus of distinct ``grids`` with ``counts``; ``samples``
     (every sample's token grid in dataset order and the dataset's ``sample_label``) names the first
-    such sample's source."""
+    such sample's source. With ``sp_degree`` k > 1 (the largest sequence-parallel degree the planner may
+    use), a sample is oversize only above ``k · limit``: the planner gives a longer one a group of k
+    ranks, each holding 1/k of its tokens (``plan_bucket_layout``'s rule)."""
+    if sp_degree > 1:
+        # "(m_mem=100)" -> "(sequence-parallel degree 2 × 100 tokens, m_mem=100)"; a phrase follows the tokens.
+        note = budget[1:-1] if budget.startswith("(") and budget.endswith(")") else None
+        per_rank = f"{limit:,} tokens" + (f", {note}" if note is not None else f" {budget}".rstrip())
+        budget, limit = f"(sequence-parallel degree {sp_degree} × {per_rank})", limit * sp_degree
     if samples is not None:
         per_sample, label = samples
         per_sample = np.asarray(per_sample, dtype=np.int64).reshape(-1, 3)
@@ -135,6 +142,7 @@ def calibrate(
     balance: str = "cost",
     seed: int = 0,
     oversize: str = "error",
+    sp_degree: int = 1,
     samples: tuple[np.ndarray, Any] | None = None,
     say: Callable[[str], None] = lambda line: None,
     warn: Callable[[str], None] = lambda line: None,
@@ -153,10 +161,13 @@ def calibrate(
         force: profile even when the checkpoint or the cache holds a matching calibration.
         broadcast: rank 0's object on every rank.
         world_size, balance, seed, oversize: the run's sampler settings (the derivation plans with them).
+        sp_degree: the largest sequence-parallel degree the run's planner may give a bucket (1: none);
+            samples up to ``sp_degree`` times the memory budget train on a group of ranks (:func:`check_oversize`).
         samples: every sample's token grid and the dataset's ``sample_label`` (names an oversize sample).
 
     Raises:
-        ValueError: samples that fit no mode with ``oversize="error"``; nothing could be fitted.
+        ValueError: samples that fit no mode, even on the largest sequence-parallel group, with
+            ``oversize="error"``; nothing could be fitted.
         CalibrationError: the pinned file is not a calibration.
     """
     cal, derived, source = None, None, None
@@ -180,7 +191,8 @@ def calibrate(
     profiled = cal is None
     if cal is None:
         if settings.m_mem is not None:
-            check_oversize(grids, counts, settings.m_mem, oversize, f"(m_mem={settings.m_mem:,})", samples)
+            check_oversize(grids, counts, settings.m_mem, oversize, f"(m_mem={settings.m_mem:,})", samples,
+                           sp_degree)
         target = trainee() if callable(trainee) and not isinstance(trainee, Trainee) else trainee
         cal = profile_modes(grids, settings, target, key, say=say, warn=warn)
         # Timings are maxima over ranks, so every rank fits the same models; broadcasting rank 0's
@@ -190,13 +202,13 @@ def calibrate(
         if cache_dir is not None and is_global_zero:
             record.write_cache(cache_dir, cal)
     derivation = derive_for(cal, grids, counts, settings, derived=derived, world_size=world_size, balance=balance,
-                            seed=seed, oversize=oversize, say=say, samples=samples)
+                            seed=seed, oversize=oversize, sp_degree=sp_degree, say=say, samples=samples)
     return CalibrationResult(cal, derivation, str(source), profiled)
 
 
 def derive_for(cal: record.Calibration, grids: np.ndarray, counts: np.ndarray, settings: ProfileSettings, *,
                derived: dict[str, Any] | None = None, world_size: int = 1, balance: str = "cost", seed: int = 0,
-               oversize: str = "error", say: Callable[[str], None] = lambda line: None,
+               oversize: str = "error", sp_degree: int = 1, say: Callable[[str], None] = lambda line: None,
                samples: tuple[np.ndarray, Any] | None = None) -> derive.Derivation:
     """The policy of a calibration for this corpus: the memory budget of each mode's tier (or the budgets
     ``derived`` records, on resume), the oversize rule, then :func:`~lightning_adaptiveload.calibration.derive.derive_policy`."""
@@ -228,7 +240,7 @@ def derive_for(cal: record.Calibration, grids: np.ndarray, counts: np.ndarray, s
     limit = int(m_mem[-1]) if isinstance(m_mem, list) else int(m_mem)
     tried = (cal.extra.get("checkpointing") or {}).get("modes") or [t.mode for t in tiers or ()]
     why = f"that fit one device even with '{tried[-1]}' activation checkpointing" if tried else "that fit one device"
-    check_oversize(grids, counts, limit, oversize, why, samples)
+    check_oversize(grids, counts, limit, oversize, why, samples, sp_degree)
     return derive.derive_policy(cal.cost_model, grids, m_mem, counts=counts, world_size=world_size, balance=balance,
                                 step_budget_s=budget, oversize=oversize, seed=seed, tiers=tiers)
 

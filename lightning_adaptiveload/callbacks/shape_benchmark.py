@@ -314,8 +314,12 @@ class ShapeBenchmarkCallback(Callback):
     # ------------------------------------------------------------------ the conductor's inputs
     def _sampler_settings(self, trainer: Trainer) -> dict[str, Any]:
         dm = trainer.datamodule
+        # With sequence parallelism the planner trains a sample too long for one rank on a group of k ranks,
+        # so only samples above the largest usable k times the memory budget are oversize.
+        sp = getattr(dm, "sp_config", None)
+        sp_degree = max(sp.usable_degrees(trainer.world_size), default=1) if sp is not None else 1
         return {"balance": getattr(dm, "balance", "cost"), "seed": int(getattr(dm, "seed", 0) or 0),
-                "oversize": getattr(getattr(dm, "policy", None), "oversize", "error")}
+                "oversize": getattr(getattr(dm, "policy", None), "oversize", "error"), "sp_degree": sp_degree}
 
     # ------------------------------------------------------------------ applying a calibration
     def _apply(self, trainer: Trainer, pl_module: LightningModule, cal: record.Calibration,

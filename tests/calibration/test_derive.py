@@ -245,3 +245,23 @@ def test_a_profile_where_no_mode_fits_one_sample_is_an_error_naming_the_fix():
     grids = np.array([(1, 2, 2), (1, 4, 4), (2, 4, 4), (3, 4, 6), (5, 6, 6)])
     with pytest.raises(ValueError, match=r"no sequence length trains one sample .* \(none, full; the shortest is S=4\)"):
         profile_modes(grids, ProfileSettings(repeats=1, warmup=0, converge_rel=0.0), trainee, {"model": "x"})
+
+
+def test_samples_a_sequence_parallel_group_holds_are_not_oversize():
+    """With SP the planner trains a sample longer than one rank's budget on a group of k ranks (each with
+    1/k of its tokens): the calibration's derivation refuses only samples above k times the budget."""
+    from lightning_adaptiveload.bucketing.sampler import OversizeSampleError
+    from lightning_adaptiveload.calibration.calibrate import ProfileSettings, derive_for
+    from lightning_adaptiveload.calibration.record import Calibration
+
+    cm = CostModel("quadratic", {"a": 0.001, "c1": 1e-4, "c2": 1e-5})
+    cal = Calibration({"model": "x"}, cm, [Measurement(1, (1, 4, 4), 16, 0.005, None, "ok", 3, 0.1)])
+    grids, counts = np.array([(1, 4, 4), (5, 4, 6)]), np.array([3, 2])  # S = 16 and 120
+    settings = ProfileSettings(m_mem=100)
+    with pytest.raises(OversizeSampleError, match=r"S=120 tokens .* above the memory budget of 100 tokens"):
+        derive_for(cal, grids, counts, settings, world_size=2)
+    d = derive_for(cal, grids, counts, settings, world_size=2, sp_degree=2)
+    assert d.m_mem == 100 and d.policy.batch_size(16) >= 1  # the budget of one rank is unchanged
+    with pytest.raises(OversizeSampleError, match=r"above the memory budget of 100 tokens \(sequence-parallel "
+                                                  r"degree 2 × 50 tokens that fit one device\)"):
+        derive_for(cal, grids, counts, ProfileSettings(m_mem=50), world_size=2, sp_degree=2)
