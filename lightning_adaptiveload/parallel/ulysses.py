@@ -56,7 +56,9 @@ def split_sizes(seq_len: int, degree: int) -> tuple[int, ...]:
             f"A sequence of {seq_len} tokens cannot be split over {degree} sequence-parallel ranks. "
             "Give batches this short a smaller degree (1: data parallel)."
         )
-    base, extra = divmod(seq_len, degree)
+    # `//` and `-`, not divmod: dynamo traces them on a symbolic length (the backward of an exchange).
+    base = seq_len // degree
+    extra = seq_len - base * degree
     return tuple(base + (i < extra) for i in range(degree))
 
 
@@ -165,12 +167,20 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, layout: UlyssesLayout, to_heads: bool) -> torch.Tensor:
-        ctx.layout, ctx.to_heads = layout, to_heads
-        return (_seq_to_heads if to_heads else _heads_to_seq)(x, layout)
+        out = (_seq_to_heads if to_heads else _heads_to_seq)(x, layout)
+        # The backward rebuilds the layout from the full length read off a shape ([B, S, H/k, d]) instead of
+        # keeping `layout`. In compiled blocks the layout's sizes become symbolic graph inputs from the
+        # second sequence length on, and inside a checkpointed block (selective or full) dynamo (torch 2.13)
+        # wires such sizes, saved for the backward, to the outer graph and fails ("Argument ... does not
+        # belong to this Graph"); a length read off a shape is a node of the exchange's own graph.
+        ctx.group, ctx.rank, ctx.degree, ctx.to_heads = layout.group, layout.rank, layout.degree, to_heads
+        ctx.seq_len = (out if to_heads else x).shape[1]
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return (_heads_to_seq if ctx.to_heads else _seq_to_heads)(grad, ctx.layout), None, None
+        layout = UlyssesLayout(ctx.group, ctx.rank, split_sizes(ctx.seq_len, ctx.degree))
+        return (_heads_to_seq if ctx.to_heads else _seq_to_heads)(grad, layout), None, None
 
 
 def seq_to_heads(x: torch.Tensor, layout: UlyssesLayout) -> torch.Tensor:
