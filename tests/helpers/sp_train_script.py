@@ -33,10 +33,6 @@ def _counting_all_to_all(*args, **kwargs):
     return _all_to_all_single(*args, **kwargs)
 
 
-# The Ulysses exchanges call `torch.distributed.all_to_all_single` (looked up at call time).
-dist.all_to_all_single = _counting_all_to_all
-
-
 class Record(Callback):
     def __init__(self, record: str) -> None:
         self.record = record
@@ -59,6 +55,10 @@ def main() -> None:
     parser.add_argument("--ckpt", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    # The Ulysses exchanges call `torch.distributed.all_to_all_single` (looked up at call time). Patched here,
+    # not on import: test_sequence_parallel_train.py imports this module for NUM_SAMPLES, and a patch in the
+    # pytest process would reach every later test (compiled blocks would trace the counter).
+    dist.all_to_all_single = _counting_all_to_all
     overrides = [
         f"output_dir={args.out}", f"data.dataset.num_samples={NUM_SAMPLES}", "data.dataset.seed=1",
         "data.sequence_parallel.enabled=true", "data.sequence_parallel.degrees=[2]",

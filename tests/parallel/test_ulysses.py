@@ -6,17 +6,14 @@ Every numerics check compares against the same computation without sequence para
 
 from __future__ import annotations
 
-import os
-import socket
-import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from gloo_ranks import assert_close, free_port, init_rank, perturb_, spawn
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from lightning_adaptiveload.callbacks.sequence_parallel import UlyssesSequenceParallel
@@ -34,40 +31,10 @@ from lightning_adaptiveload.parallel.ulysses import (
 CFG = WanConfig(dim=32, ffn_dim=64, num_heads=4, num_layers=2, text_dim=16, text_len=8)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _init(rank: int, world: int, port: int) -> None:
-    # What a launcher exports; Lightning's DDP strategy then uses this process group as it is.
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
-                      LOCAL_RANK=str(rank), NODE_RANK="0")
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-
-
-def _spawn(fn, world: int, *args) -> None:
-    # fork: the workers start with this process's imports (a spawned one re-imports torch and Lightning,
-    # ~9 s of CPU each on a two-core machine); no process group is alive here to be inherited.
-    assert not dist.is_initialized()
-    mp.start_processes(fn, args=(world, _free_port(), *args), nprocs=world, join=True, start_method="fork")
-
-
-def _perturb(model: torch.nn.Module) -> None:
-    # Wan zero-initialises the output projection, which would zero every other gradient.
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=gen))
-
-
 def _model(checkpointing: bool = False) -> WanModel:
     torch.manual_seed(0)
     model = WanModel(CFG)
-    _perturb(model)
+    perturb_(model)
     model.set_gradient_checkpointing(checkpointing)
     return model
 
@@ -80,11 +47,6 @@ def _inputs(grid, batch_size: int, seed: int = 2):
     context = torch.randn(batch_size, 5, CFG.text_dim, generator=gen)
     target = torch.randn(batch_size, CFG.out_dim, f, 2 * h, 2 * w, generator=gen)
     return x, t, context, target
-
-
-def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    atol = 1e-5 * float(expected.abs().max()) + 1e-12
-    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
 def _loss_and_grads(model: WanModel, grid, batch_size: int, sequence_parallel=None):
@@ -102,12 +64,12 @@ def _check_model_parity(group: UlyssesGroup, grid, batch_size: int, checkpointin
     ref_out, ref_loss, ref_grads = _loss_and_grads(model, grid, batch_size)
     out, loss, grads = _loss_and_grads(model, grid, batch_size, sequence_parallel=group)
     what = f"rank {dist.get_rank()}, degree {group.degree}, grid {grid}"
-    _assert_close(out, ref_out, f"{what}: output")
-    _assert_close(loss, ref_loss, f"{what}: loss")
+    assert_close(out, ref_out, f"{what}: output")
+    assert_close(loss, ref_loss, f"{what}: loss")
     for name, g in grads.items():
         # Each rank holds the part of the gradient that flows through its tokens.
         dist.all_reduce(g, group=group.group)
-        _assert_close(g, ref_grads[name], f"{what}: grad of {name}")
+        assert_close(g, ref_grads[name], f"{what}: grad of {name}")
 
 
 # ---------------------------------------------------------------------------------------------- degrees
@@ -168,7 +130,7 @@ def _one_rank_group(port: int) -> UlyssesGroup:
 
 def test_degree_one_path_is_bitwise_the_plain_path():
     """The whole SP code path (shard, exchanges, gather) on a group of one changes no bit."""
-    group = _one_rank_group(_free_port())
+    group = _one_rank_group(free_port())
     model = _model()
     ref = _loss_and_grads(model, (2, 3, 5), 2)
     got = _loss_and_grads(model, (2, 3, 5), 2, sequence_parallel=group)
@@ -229,7 +191,7 @@ def test_callback_checks_degrees_and_the_module():
 
 
 def _two_ranks(rank: int, world: int, port: int) -> None:
-    _init(rank, world, port)
+    init_rank(rank, world, port)
     groups = UlyssesGroups([2], num_heads=CFG.num_heads, ranks_per_node=2)
     group = groups.group(2)
     assert group.ranks == (0, 1) and group.rank == rank and group.first_rank == 0
@@ -272,13 +234,13 @@ def _two_ranks(rank: int, world: int, port: int) -> None:
     torch.manual_seed(0)
     module = Ranked(CFG, seed=11)
     module.configure_model()
-    _perturb(module.model)
+    perturb_(module.model)
     module.sequence_parallel = groups
     batch = module.synthetic_batch(2, (1, 3, 5), seed=4)
     ref = module.compute_loss(batch, module.noise_generator(rank=0, stream=OUTSIDE_STREAM))
-    _assert_close(module.compute_loss({**batch, "sp_degree": 2}), ref, f"rank {rank}: compute_loss")
+    assert_close(module.compute_loss({**batch, "sp_degree": 2}), ref, f"rank {rank}: compute_loss")
     step_ref = module.compute_loss(batch, module.noise_generator(rank=0, step=0))
-    _assert_close(module.training_step({**batch, "sp_degree": 2}, 0), 2 * step_ref, f"rank {rank}: training_step")
+    assert_close(module.training_step({**batch, "sp_degree": 2}, 0), 2 * step_ref, f"rank {rank}: training_step")
 
     # Ranks of one group holding different batches: every rank raises (none hangs).
     other = module.synthetic_batch(2, (1, 3, 5), seed=4)
@@ -289,7 +251,7 @@ def _two_ranks(rank: int, world: int, port: int) -> None:
 
 
 def test_two_ranks_exchanges_model_and_module_match_one_process():
-    _spawn(_two_ranks, 2)
+    spawn(_two_ranks, 2)
 
 
 # --------------------------------------------------------------------------------------------- 4 ranks
@@ -304,7 +266,7 @@ def _mixed_module() -> FlowMatchingModule:
     torch.manual_seed(0)
     module = FlowMatchingModule(CFG, seed=SEED, lr=1e-3)
     module.configure_model()
-    _perturb(module.model)
+    perturb_(module.model)
     return module
 
 
@@ -327,7 +289,7 @@ class _Capture(pl.Callback):
 
 
 def _four_ranks(rank: int, world: int, port: int, out: str) -> None:
-    _init(rank, world, port)
+    init_rank(rank, world, port)
     groups = UlyssesGroups([2, 4], num_heads=CFG.num_heads, ranks_per_node=4)
     # Degree 4 over 15 tokens (4 + 4 + 4 + 3).
     _check_model_parity(groups.group(4), (1, 3, 5), 1)
@@ -347,7 +309,7 @@ def _four_ranks(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_four_ranks_degree_four_and_a_mixed_ddp_step_match_one_process(tmp_path):
-    _spawn(_four_ranks, 4, str(tmp_path))
+    spawn(_four_ranks, 4, str(tmp_path))
     module = _mixed_module()
     losses, grads = {}, {}
     for name, rank in (("A", 0), ("C", 2), ("D", 3)):
@@ -360,12 +322,12 @@ def test_four_ranks_degree_four_and_a_mixed_ddp_step_match_one_process(tmp_path)
     # The rule: DDP averages over W = 4 ranks, and the SP batch counts for its k = 2 ranks.
     expected = {n: (2 * grads["A"][n] + grads["C"][n] + grads["D"][n]) / 4 for n in grads["A"]}
     for rank in range(4):
-        _assert_close(torch.load(tmp_path / f"loss{rank}.pt"), (2 if rank < 2 else 1) * losses[RANK_BATCH[rank]],
+        assert_close(torch.load(tmp_path / f"loss{rank}.pt"), (2 if rank < 2 else 1) * losses[RANK_BATCH[rank]],
                       f"rank {rank}: returned loss")
     got = torch.load(tmp_path / "grads3.pt")
     assert torch.equal(got["head.head.weight"], torch.load(tmp_path / "grads0.pt")["head.head.weight"])
     for n, g in expected.items():
-        _assert_close(got[n], g, f"DDP-averaged grad of {n}")
+        assert_close(got[n], g, f"DDP-averaged grad of {n}")
 
 
 # ------------------------------------------------------------------------------------------------- GPU
@@ -378,7 +340,7 @@ def test_cuda_degree_one_path_is_exactly_the_plain_path_and_exchange_shapes():
     two paths hand attention q, k, v with other strides (a view of the all-to-all's buffer), which may
     pick another attention kernel: there they agree to bf16 rounding."""
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     group = UlyssesGroup(dist.group.WORLD, [0])
     layout = group.layout(75)
     x = torch.randn(2, 75, 12, 16, device="cuda", requires_grad=True)
