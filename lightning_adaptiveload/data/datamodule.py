@@ -10,6 +10,9 @@ part-way through an epoch is written in ``on_train_epoch_end``, after the fit lo
 as processed, and a resume from it continues that epoch under the next epoch number. So the epoch
 to plan comes from the sampler state (its epoch, or the next one when the state's epoch was
 finished), and Lightning's later epochs map onto the sampler's with the offset found at the restore.
+Resumed without ``max_steps``, Lightning runs the rest of that epoch under its next epoch, whose batch
+counter starts at 0: the steps it does not count are added back, and saved as ``uncounted_steps`` in
+the checkpoints of that epoch.
 """
 
 from __future__ import annotations
@@ -163,6 +166,10 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         self._resume_epoch = 0
         self._empty_epoch = False  # the next train iteration yields nothing (see `_resume`)
         self._epoch_before = False  # the first epoch Lightning names after a restore is that empty one
+        # A restore mid-epoch: (sampler epoch, Lightning's epoch at the restore, steps its batch counter missed
+        # then, the sampler's steps taken). See `_steps_taken`.
+        self._counter_base: tuple[int, int, int, int] | None = None
+        self._pending_base = 0
         self._drawn = False
         self._printed = False
         # (token grid, batch size) the sampler planned for the first batches, checked on arrival.
@@ -341,12 +348,31 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             return None
         # `processed` counts batches whose training step ran; `completed` lags by one while
         # `on_train_batch_end` (where step checkpoints are saved) runs.
-        return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+        return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed) + self._uncounted_steps()
+
+    def _uncounted_steps(self) -> int:
+        """Steps of the sampler's current epoch that Lightning's batch counter does not count.
+
+        A checkpoint that Lightning counts as the end of its epoch (``last.ckpt`` where ``max_steps``
+        stopped a run part-way, resumed without ``max_steps``) makes Lightning run the rest of the
+        sampler's epoch under its next epoch, whose counter starts again at 0: the steps taken before
+        the restore are missing from it, here and in every checkpoint written in that epoch (saved in the
+        state, so a resume from one of those counts them again).
+        """
+        base, trainer = self._counter_base, self.trainer
+        if base is None or trainer is None or self._sampler is None or self._sampler.epoch != base[0]:
+            return 0
+        epoch, lightning_epoch, missed, taken = base
+        return missed if trainer.current_epoch == lightning_epoch else taken
 
     def state_dict(self) -> dict[str, Any]:
         if self._sampler is None:
             return {"sampler": self._pending_state} if self._pending_state is not None else {}
-        return {"sampler": self._sampler.state_dict(steps_taken=self._steps_taken())}
+        out: dict[str, Any] = {"sampler": self._sampler.state_dict(steps_taken=self._steps_taken())}
+        uncounted = self._uncounted_steps()
+        if uncounted:
+            out["uncounted_steps"] = uncounted
+        return out
 
     def _where(self) -> str:
         ckpt = getattr(self.trainer, "ckpt_path", None) if self.trainer is not None else None
@@ -384,17 +410,20 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         except (TypeError, ValueError):
             raise ValueError(f"Cannot resume the data order from {where}: the sampler state has segments={segments!r}; "
                              "expected a non-empty list of [ranks, steps].") from None
-        if taken != trained:
+        missed, self._pending_base = self._pending_base, 0
+        if taken != trained + missed:
+            counted = f"{trained} batches of its epoch" + (f" after {missed} it did not count" if missed else "")
             raise ValueError(
                 f"Cannot resume the data order from {where}: the sampler state has {taken} steps taken in epoch {epoch} "
-                f"but the checkpoint's loop trained {trained} batches of its epoch; the state does not belong to this "
-                "checkpoint."
+                f"but the checkpoint's loop trained {counted}; the state does not belong to this checkpoint."
             )
         self._empty_epoch = False
+        self._counter_base = None
         if mid_epoch:
             self._load_sampler_state(sampler, state)
             if len(sampler) > sampler.steps_taken:
                 self._resume_epoch = epoch
+                self._counter_base = (epoch, trainer.current_epoch, missed, taken)
             else:  # the restored plan is exhausted: the next epoch starts
                 sampler.set_epoch(epoch + 1)
                 self._resume_epoch = epoch + 1
@@ -444,7 +473,13 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
                 f"{type(state).__name__}, not a dict. The checkpoint is damaged or not from this DataModule; "
                 "resume from another checkpoint."
             )
-        self._pending_state = state
+        missed = state_dict.get("uncounted_steps", 0)
+        if isinstance(missed, bool) or not isinstance(missed, int) or missed < 0:
+            raise ValueError(
+                f"Cannot resume the data order from {self._where()}: its DataModule state has "
+                f"uncounted_steps={missed!r}; expected an integer >= 0. The checkpoint is damaged; resume from another."
+            )
+        self._pending_state, self._pending_base = state, missed
         self._restored = True
         # The loader may already exist: the Trainer built it before restoring (a strategy that restores
         # after setup, with `estimated_stepping_batches` read in `configure_optimizers`; cf. Lightning

@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from test_datamodule import GridDataset  # the same tiny dataset (latents hold the sample index)
 
 from lightning_adaptiveload.bucketing.policy import DualConstraintPolicy
+from lightning_adaptiveload.callbacks.checkpoint import LastStateCheckpoint
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
 
 POLICY = DualConstraintPolicy(m_mem=24, m_comp=24 * 4, p=2)
@@ -100,6 +101,52 @@ def test_last_ckpt_at_max_steps_mid_epoch(tmp_path, full, workers, persistent):
                  dm=_dm(workers, persistent))
     resumed = _fit(tmp_path, ckpt_path=tmp_path / "c/last.ckpt", max_steps=3 * e, dm=_dm(workers, persistent))
     assert first.steps + resumed.steps == full
+
+
+def test_last_ckpt_of_the_product_config_is_where_max_steps_stopped(tmp_path, full):
+    # adaptiveload-train's checkpoint callback: periodic saves (every_n_train_steps) and save_last. Stopped
+    # between two periodic saves, Lightning's own ModelCheckpoint leaves last.ckpt at the earlier save
+    # (resuming repeats the steps in between); LastStateCheckpoint writes it where the run stopped.
+    e = _steps_per_epoch()
+    stop = e + e // 2 + 1  # mid-epoch, between the saves at steps 2, 4, ...
+    assert stop % 2 == 1
+    kw = dict(filename="{step}", save_top_k=-1, every_n_train_steps=2, save_last=True)
+    _fit(tmp_path / "lightning", callbacks=[ModelCheckpoint(dirpath=tmp_path / "l", **kw)], max_steps=stop)
+    assert torch.load(tmp_path / "l/last.ckpt", weights_only=False)["global_step"] == stop - 1
+    first = _fit(tmp_path / "ours", callbacks=[LastStateCheckpoint(dirpath=tmp_path / "o", **kw)], max_steps=stop)
+    assert torch.load(tmp_path / "o/last.ckpt", weights_only=False)["global_step"] == stop
+    resumed = _fit(tmp_path, ckpt_path=tmp_path / "o/last.ckpt", max_steps=3 * e)
+    assert first.steps + resumed.steps == full
+
+
+def test_step_checkpoints_after_resuming_from_last_ckpt_at_max_steps(tmp_path, full):
+    # The resumed run continues the sampler's epoch under Lightning's next epoch number (its batch counter
+    # starts again at 0); step checkpoints written in that epoch must count the steps before the resume.
+    e = _steps_per_epoch()
+    first = _fit(tmp_path, callbacks=[LastStateCheckpoint(dirpath=tmp_path / "a", filename="{step}", save_top_k=-1,
+                                                          every_n_train_steps=4, save_last=True)], max_steps=e // 2 + 1)
+    assert torch.load(tmp_path / "a/last.ckpt", weights_only=False)["global_step"] == e // 2 + 1
+    second = _fit(tmp_path, ckpt_path=tmp_path / "a/last.ckpt", max_steps=e // 2 + 3,
+                  callbacks=[_saver(tmp_path / "b", every_n_train_steps=1)])
+    k = e // 2 + 2
+    third = _fit(tmp_path, ckpt_path=tmp_path / f"b/step={k}.ckpt", max_steps=3 * e)
+    assert first.steps + second.steps[:1] + third.steps == full
+
+
+def test_resume_without_max_steps_from_last_ckpt_at_max_steps_then_from_its_step_checkpoints(tmp_path, full):
+    # Resumed without max_steps, Lightning runs the rest of the sampler's epoch under its next epoch, whose batch
+    # counter starts at 0: the step checkpoints of that epoch must still count the steps before the restore
+    # (they said 1, 2, ... instead of 7, 8, ..., and a resume from one replayed the wrong batches).
+    e = _steps_per_epoch()
+    first = _fit(tmp_path, callbacks=[_saver(tmp_path / "a", save_last=True)], max_steps=e // 2)
+    second = _fit(tmp_path, ckpt_path=tmp_path / "a/last.ckpt", max_epochs=2,
+                  callbacks=[_saver(tmp_path / "b", every_n_train_steps=1)])
+    assert first.steps + second.steps == full[:e]
+    for k in (e // 2 + 2, e - 1):
+        ckpt = torch.load(tmp_path / f"b/step={k}.ckpt", weights_only=False)
+        assert ckpt[KEY]["sampler"]["segments"] == [[1, k]] and ckpt[KEY]["uncounted_steps"] == e // 2
+        third = _fit(tmp_path, ckpt_path=tmp_path / f"b/step={k}.ckpt", max_steps=3 * e)
+        assert first.steps + second.steps[: k - e // 2] + third.steps == full
 
 
 def test_last_ckpt_at_max_steps_twice_in_a_row(tmp_path, full):

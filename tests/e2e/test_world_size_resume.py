@@ -51,6 +51,23 @@ def test_resume_on_another_world_size_keeps_calibration_and_sees_every_sample(tm
     assert len(seen) - NUM_SAMPLES <= a["plan"]["padded_samples"] + b["plan"]["padded_samples"]
 
 
+@pytest.mark.slow  # ~40-60 s on a 2-core CPU: two runs, one of them on two processes
+def test_resume_from_last_ckpt_at_max_steps_on_another_world_size(tmp_path):
+    # The quickstart's resume (`last.ckpt`, written when max_steps stops the run mid-epoch), on 1 rank
+    # after 2: the rest of the epoch is re-planned for one rank and every sample trains once.
+    _fit(tmp_path, "a", "--devices", "2", "--max-steps", "3")
+    a = json.loads((tmp_path / "a.json").read_text())
+    assert a["global_step"] == 3
+    # Lightning counts the epoch that max_steps stopped as processed, so the rest of the sampler's epoch 0
+    # trains as Lightning's epoch 1 (lightning_adaptiveload/data/datamodule.py): max_epochs=2 ends with it.
+    _fit(tmp_path, "b", "--devices", "1", "--max-epochs", "2", "--ckpt", str(tmp_path / "run" / "ckpt" / "last.ckpt"))
+    b = json.loads((tmp_path / "b.json").read_text())
+    assert b["source"] == "checkpoint" and b["world_size"] == 1 and b["global_step"] > 3
+    seen = _seen(tmp_path, "a") + _seen(tmp_path, "b")
+    assert len(_seen(tmp_path, "a")) > 0 and sorted(set(seen)) == list(range(NUM_SAMPLES))
+    assert len(seen) - NUM_SAMPLES <= a["plan"]["padded_samples"] + b["plan"]["padded_samples"]
+
+
 @pytest.mark.slow  # ~19-39 s on a 2-core CPU
 def test_diffusers_wan_trains_on_two_ranks_with_every_callback(tmp_path):
     pytest.importorskip("diffusers")

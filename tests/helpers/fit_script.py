@@ -13,10 +13,10 @@ import json
 
 import torch
 from lightning.pytorch import Callback, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_adaptiveload.bucketing.policy import DualConstraintPolicy
 from lightning_adaptiveload.callbacks.balance_monitor import BalanceMonitor
+from lightning_adaptiveload.callbacks.checkpoint import LastStateCheckpoint
 from lightning_adaptiveload.callbacks.fused_adaln import FusedAdaLNCallback
 from lightning_adaptiveload.callbacks.shape_benchmark import ShapeBenchmarkCallback
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("record")
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--max-steps", type=int, default=-1)
+    parser.add_argument("--max-epochs", type=int, default=1)
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--model", default="tiny", choices=("tiny", "diffusers"))
     args = parser.parse_args()
@@ -74,15 +75,15 @@ def main() -> None:
     datamodule = AdaptiveLoadDataModule(dataset, DualConstraintPolicy(4096, 4096 * 64, 2.0), seed=1)
     trainer = Trainer(
         default_root_dir=args.out, accelerator="cpu", devices=args.devices,
-        strategy="ddp" if args.devices > 1 else "auto", use_distributed_sampler=False, max_epochs=1,
+        strategy="ddp" if args.devices > 1 else "auto", use_distributed_sampler=False, max_epochs=args.max_epochs,
         max_steps=args.max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[
             ShapeBenchmarkCallback(max_shapes=2, batch_sizes=[1, 8], repeats=1, warmup=0, m_mem=480,
                                    save_dir=args.out),
             BalanceMonitor(log_every_n_steps=1000),
             FusedAdaLNCallback(),
-            ModelCheckpoint(dirpath=f"{args.out}/ckpt", every_n_train_steps=2, save_top_k=-1,
-                            filename="step={step}", auto_insert_metric_name=False),
+            LastStateCheckpoint(dirpath=f"{args.out}/ckpt", every_n_train_steps=2, save_top_k=-1, save_last=True,
+                                filename="step={step}", auto_insert_metric_name=False),
             _Record(args.record),
         ],
     )

@@ -1,0 +1,36 @@
+"""``ModelCheckpoint`` whose ``last.ckpt`` is the state the run stopped in."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+from typing_extensions import override
+
+__all__ = ["LastStateCheckpoint"]
+
+
+class LastStateCheckpoint(ModelCheckpoint):
+    """Lightning's :class:`~lightning.pytorch.callbacks.ModelCheckpoint`, with ``last.ckpt`` written at the end
+    of every epoch and where ``max_steps`` stops the run, unless it already holds that step.
+
+    With ``save_last=True`` and ``every_n_train_steps``, Lightning 2.6 writes ``last.ckpt`` next to each
+    periodic checkpoint, and at the end of training only if the run wrote none before. A run that
+    ``max_steps`` stops between two periodic saves therefore keeps the earlier ``last.ckpt``: with saves
+    every 1,000 steps and ``max_steps=1500``, ``last.ckpt`` holds step 1,000, and resuming from it trains
+    steps 1,001-1,500 again. Here ``last.ckpt`` is also written when the epoch loop ends (its end, or the
+    step where ``max_steps`` stopped it) whenever its step is older, so resuming from it continues where
+    the run stopped. Everything else is Lightning's. It is a
+    subclass rather than a second callback so that there is one ``last.ckpt`` and one set of settings, the
+    ones ``ckpt_path="last"`` finds.
+    """
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Where Lightning writes the end-of-epoch checkpoints, also when max_steps stops the run mid-epoch
+        # (the resume of such a checkpoint is exact: tests/data/test_resume.py); written at on_train_end
+        # instead, the loop state would count the epoch as finished.
+        super().on_train_epoch_end(trainer, pl_module)
+        # _should_skip_saving_checkpoint is Lightning's own test: not fitting, a sanity check, fast_dev_run,
+        # or this step already saved.
+        if self.save_last and not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
