@@ -351,6 +351,15 @@ class TieredPolicy(BatchSizePolicy):
         i = int(self.tier_index(np.array([seq_len]))[0])
         return self.tiers[i][0] if i < len(self.tiers) else None
 
+    def memory_budgets(self, seq_lens: Any) -> np.ndarray:
+        """Tokens one GPU holds for each S in the mode it trains with: its tier's policy's token budget
+        (``m_mem``, or ``max_tokens`` of an equal-token policy; the tier's limit for a policy without one),
+        the last tier's above every tier. A sequence-parallel group of k ranks holds k times that."""
+        idx = np.minimum(self.tier_index(seq_lens), len(self.tiers) - 1)
+        budgets = np.array([int(getattr(p, "m_mem", None) or getattr(p, "max_tokens", None) or s)
+                            for _, s, p in self.tiers], dtype=np.int64)
+        return budgets[idx]
+
     def _batch_sizes(self, seq_lens: np.ndarray) -> np.ndarray:
         idx = self.tier_index(seq_lens)
         out = np.ones_like(seq_lens)

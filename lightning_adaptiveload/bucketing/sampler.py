@@ -519,7 +519,9 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
             return self.bucket_batch_sizes, self.bucket_degrees
         if num_replicas not in self._layouts:
             cost, sp_cost = sp_cost_function(self.cost_model, self._cost_exponent())
-            limit = getattr(self.policy, "max_seq_len", None)
+            # Per-bucket checkpointing: each bucket's group holds what its own mode allows per rank.
+            budgets = getattr(self.policy, "memory_budgets", None)
+            limit = budgets(self.bucket_seq_lens) if callable(budgets) else getattr(self.policy, "max_seq_len", None)
             self._layouts[num_replicas] = plan_bucket_layout(
                 self.bucket_seq_lens, self._dp_batch_sizes, m_mem=limit, config=self.sequence_parallel,
                 world_size=num_replicas, cost=cost, sp_cost=sp_cost,

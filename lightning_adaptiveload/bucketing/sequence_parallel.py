@@ -231,7 +231,7 @@ def plan_bucket_layout(
     seq_lens: np.ndarray,
     dp_batch_sizes: np.ndarray,
     *,
-    m_mem: int | None,
+    m_mem: int | np.ndarray | None,
     config: SequenceParallelConfig,
     world_size: int,
     cost: CostFn,
@@ -243,7 +243,8 @@ def plan_bucket_layout(
     Args:
         seq_lens: S of every bucket (int64 ``[K]``).
         dp_batch_sizes: the policy's data-parallel batch size per bucket (0: above ``m_mem``).
-        m_mem: tokens one GPU holds (``None``: no memory limit).
+        m_mem: tokens one GPU holds (``None``: no memory limit), or per bucket (an array like ``seq_lens``,
+            e.g. each bucket's activation-checkpointing mode's budget).
         config: the SP degrees and target.
         world_size: ranks of the plan (degrees that do not divide it are not used).
         cost, sp_cost: ``t(B, S)`` and ``t_sp(B, S, k)`` (see :func:`sp_cost_function`).

@@ -283,3 +283,31 @@ def test_bucket_plan_table_shows_sp_ranks_and_sp_cost():
     by_s = dict(zip(cols["S"], cols["cost/batch"], strict=True))
     assert by_s["640"] == "1.00" and by_s["320"] == "0.50"
     assert "SP ranks" not in {c.header for c in bucket_plan_table(_sampler(_shapes(0, 50, GRIDS[:6]), 8, sp=None))[0].columns}
+
+
+def test_layout_takes_a_memory_budget_per_bucket():
+    # The same example with target 6400: S=80 (k=4) is capped by memory, 4*m_mem // 80 per group.
+    s, dp = np.array([10, 20, 40, 80]), np.array([8, 2, 1, 0])
+    cost, sp_cost = sp_cost_function(None, 2.0)
+    config = SequenceParallelConfig((2, 4), 12, 4, target_step_time=12800.0, tolerance=0.0)
+
+    def layout(m_mem):
+        return plan_bucket_layout(s, dp, m_mem=m_mem, config=config, world_size=4, cost=cost, sp_cost=sp_cost)
+
+    bs, deg = layout(100)
+    assert deg[3] == 2 and bs[3] == 2 * 100 // 80  # 2 x 6400 / 2 <= 12,800: the cap binds
+    bs, deg = layout(np.array([100, 100, 100, 50]))  # S=80 in a mode that holds 50 tokens a rank
+    # k=2 now holds one sample (2*50 // 80) at 3,200, within the target: the smallest degree wins.
+    assert deg[3] == 2 and bs[3] == 1 and (bs * s <= deg * np.array([100, 100, 100, 50])).all()
+
+
+def test_tiered_policy_sp_groups_hold_what_each_buckets_mode_allows_per_rank():
+    from lightning_adaptiveload.bucketing.policy import TieredPolicy
+
+    # 'none' holds 200 tokens a rank up to S=144; 'full' 600 up to S=256; S=320 and 640 need SP groups.
+    tiered = TieredPolicy([("none", 144, EqualTokenPolicy(200)), ("full", 256, EqualTokenPolicy(600))])
+    assert tiered.memory_budgets(np.array([4, 144, 145, 256, 640])).tolist() == [200, 200, 600, 600, 600]
+    s = _sampler(_shapes(0, 500), 8, sp=MIXED_SP, policy=tiered)
+    seq, bs, deg = s.bucket_seq_lens, s.bucket_batch_sizes, s.bucket_degrees
+    assert (bs * seq <= deg * tiered.memory_budgets(seq)).all()
+    assert (deg[seq > 256] >= 2).all() and (bs[seq <= 144] * seq[seq <= 144] <= 200 * deg[seq <= 144]).all()
