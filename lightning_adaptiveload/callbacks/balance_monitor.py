@@ -389,7 +389,7 @@ class BalanceMonitor(Callback):
         """Tokens/s (and MFU) of one epoch of ``plan`` at the step times this rank measured per batch shape.
 
         A short run draws few of an epoch's buckets, so its tokens/s depends on which buckets it drew
-        (two runs of one configuration on a mixed corpus can differ by 15%); this weighs every bucket by
+        (on a mixed corpus, often by more than the change being measured); this weighs every bucket by
         its batches in the epoch instead. A bucket whose (B, S) was measured (after the warm-up) takes its
         mean step time; one that was not takes its predicted compute times R, the measured over the
         predicted time of the measured buckets together. On W ranks the epoch's batches are spread

@@ -167,7 +167,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         self._empty_epoch = False  # the next train iteration yields nothing (see `_resume`)
         self._epoch_before = False  # the first epoch Lightning names after a restore is that empty one
         # A restore mid-epoch: (sampler epoch, Lightning's epoch at the restore, steps its batch counter missed
-        # then, the sampler's steps taken). See `_steps_taken`.
+        # then, the sampler's steps taken). See `_uncounted_steps`.
         self._counter_base: tuple[int, int, int, int] | None = None
         self._pending_base = 0
         self._drawn = False
@@ -362,7 +362,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         base, trainer = self._counter_base, self.trainer
         if base is None or trainer is None or self._sampler is None or self._sampler.epoch != base[0]:
             return 0
-        epoch, lightning_epoch, missed, taken = base
+        _, lightning_epoch, missed, taken = base
         return missed if trainer.current_epoch == lightning_epoch else taken
 
     def state_dict(self) -> dict[str, Any]:

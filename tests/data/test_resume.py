@@ -216,6 +216,11 @@ def _sampler_state(checkpoint: dict) -> dict:
                      r"has no `shapes` \(written by an older release\).*AdaptiveLoadDataModule\(allow_unverified_resume=True\)",
                      id="no-shapes"),
         pytest.param(lambda c: _sampler_state(c).pop("fingerprint"), "has no `fingerprint`", id="no-fingerprint"),
+        pytest.param(lambda c: c[KEY].update(uncounted_steps=-1), "has uncounted_steps=-1; expected an integer >= 0",
+                     id="uncounted-minus-1"),
+        pytest.param(lambda c: c[KEY].update(uncounted_steps=2),
+                     "has 5 steps taken in epoch 0 but the checkpoint's loop trained 5 batches of its epoch after 2 it "
+                     "did not count", id="uncounted-disagrees"),
     ],
 )
 def test_unusable_sampler_state_is_refused_in_one_line(tmp_path, mid_epoch_ckpt, edit, match):
