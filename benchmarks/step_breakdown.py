@@ -8,6 +8,7 @@ the step, after ``--warmup`` steps). Every kernel of a traced step goes to one g
     attention           SDPA kernels (flash, cuDNN, memory-efficient), forward and backward
     gemm                cuBLAS/CUTLASS/nvjet matmuls, convolutions, inductor matmul templates
     fused_elementwise   inductor's fused Triton kernels: norms, modulation, RoPE, gating, casts, GELU
+                        (their time also split by kind, roughly, from the fused ops' names: ``fused_kinds``)
     eager_elementwise   other ATen kernels outside the compiled blocks (casts, loss, embeddings)
     optimizer           gradient clipping and AdamW (multi-tensor kernels)
     communication       NCCL
@@ -80,6 +81,18 @@ def kernel_group(name: str) -> str:
     return "eager_elementwise"
 
 
+#: Sub-groups of inductor's fused kernels, by the ATen ops their names list (first match): a fused kernel often
+#: spans two (the q/k RMSNorm and RoPE in one), so this says where the time goes roughly, by the op named first here.
+FUSED_KINDS = (("rope", ("stack", "unbind", "select")), ("norm", ("rsqrt", "native_layer_norm", "mean", "var")),
+               ("gelu", ("gelu", "tanh")))
+
+
+def fused_kind(name: str) -> str:
+    """``rope``, ``norm``, ``gelu`` or ``other`` (residual, gating, modulation, casts) for a fused kernel's name."""
+    n = name.lower()
+    return next((kind for kind, keys in FUSED_KINDS if any(k in n for k in keys)), "other")
+
+
 def split_trace(events: list[dict[str, Any]], wall_us: float) -> dict[str, Any]:
     """Group a traced step's device events (``{"name", "ts", "dur"}``, µs) into :data:`GROUPS` + idle.
 
@@ -99,6 +112,11 @@ def split_trace(events: list[dict[str, Any]], wall_us: float) -> dict[str, Any]:
         out[g] = max(0.0, _length(mine) - _length(_intersect(mine, taken)))
         taken = _union(taken + mine)
     out["idle"] = max(0.0, wall_us - _length(taken))
+    # Kernel time (not a share of the union) of the fused element-wise kernels by kind.
+    fused: dict[str, float] = {kind: 0.0 for kind, _ in FUSED_KINDS} | {"other": 0.0}
+    for name, us in kernels["fused_elementwise"].items():
+        fused[fused_kind(name)] += us
+    out["fused_kinds"] = fused
     out["top_kernels"] = {
         g: [[name[:120], round(us / 1e3, 3)] for name, us in sorted(k.items(), key=lambda kv: -kv[1])[:6]]
         for g, k in kernels.items() if k
@@ -211,7 +229,9 @@ class _Breakdown:
 
 def _ms(split: dict[str, Any]) -> dict[str, Any]:
     # Not rounded: the groups of a step add up to its wall time exactly.
-    return {k: (v / 1e3 if isinstance(v, float) else v) for k, v in split.items()}
+    out = {k: (v / 1e3 if isinstance(v, float) else v) for k, v in split.items()}
+    out["fused_kinds"] = {k: v / 1e3 for k, v in split["fused_kinds"].items()}
+    return out
 
 
 def ceilings(shapes, config, dtype_name: str = "bfloat16", reps: int = 10, device: str = "cuda") -> dict[str, Any]:
@@ -302,6 +322,8 @@ def summarize(rows, traces, ceils, config, warmup: int, peak_tflops: float) -> d
             "traced_step_ms": traced_ms, "traced_steps": len(traced),
             "tokens_per_s": b * s / step_s, "mfu": flops["total"] / step_s / peak,
             "group_ms": groups, "group_share": {g: v / traced_ms for g, v in groups.items()},
+            "fused_kinds_ms": {k: statistics.median(t["fused_kinds"][k] for t in traced)
+                               for k in traced[-1]["fused_kinds"]},
             "top_kernels": traced[-1]["top_kernels"],
         }
         for g in ("attention", "gemm"):

@@ -41,6 +41,18 @@ def test_split_counts_every_microsecond_once_and_adds_up_to_the_wall_time():
     assert split["idle"] == 40 - 26
     assert sum(split[g] for g in (*bench.GROUPS, "idle")) == 40
     assert split["top_kernels"]["fused_elementwise"] == [["triton_poi_fused_add_0", 0.01]]
+    assert split["fused_kinds"] == {"rope": 0.0, "norm": 0.0, "gelu": 0.0, "other": 10.0}  # kernel time, overlaps kept
+
+
+@pytest.mark.parametrize(("name", "kind"), [
+    ("triton_red_fused__to_copy_add_div_expand_mul_neg_pow_select_stack_sum_transpose_unsqueeze_view_15", "rope"),
+    ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_stack_sub_unbind_unsqueeze_view_3", "rope"),
+    ("triton_per_fused__to_copy_add_mul_native_layer_norm_backward_split_view_16", "norm"),
+    ("triton_poi_fused_gelu_gelu_backward_view_5", "gelu"),
+    ("triton_red_fused__to_copy_add_mul_split_sum_view_3", "other"),
+])
+def test_fused_kernels_are_split_by_the_ops_they_name(name, kind):
+    assert load_benchmark("step_breakdown").fused_kind(name) == kind
 
 
 def test_flop_split_adds_up_to_the_model_flops():
@@ -67,6 +79,7 @@ def test_runs_through_the_product_on_cpu(tmp_path):
         assert entry["traced_steps"] == 1
         assert sum(entry["group_share"].values()) == pytest.approx(1.0, abs=1e-6)
         assert sum(entry["points"].values()) == pytest.approx(1.0, abs=1e-6)
+        assert set(entry["fused_kinds_ms"]) == {"rope", "norm", "gelu", "other"}
         b, s = (int(v) for v in key.split("x"))
         assert entry["tokens_per_s"] == pytest.approx(b * s / (entry["step_ms"] / 1e3))
 
