@@ -10,7 +10,8 @@ from lightning.pytorch.utilities import rank_zero_only
 from rich.console import Console
 from rich.table import Table
 
-from lightning_adaptiveload.bucketing.sampler import AdaptiveBucketBatchSampler, batch_costs
+from lightning_adaptiveload.bucketing.buckets import batch_costs
+from lightning_adaptiveload.bucketing.sampler import AdaptiveBucketBatchSampler
 from lightning_adaptiveload.bucketing.sequence_parallel import sp_cost_function
 
 

@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from lightning_adaptiveload.bucketing.buckets import count_buckets
 from lightning_adaptiveload.bucketing.policy import (
     BatchSizePolicy,
     CostModelPolicy,
@@ -51,7 +52,6 @@ from lightning_adaptiveload.bucketing.policy import (
     EqualTokenPolicy,
     TieredPolicy,
 )
-from lightning_adaptiveload.bucketing.sampler import count_buckets
 from lightning_adaptiveload.calibration.costmodel import CostModel, MemoryModel
 from lightning_adaptiveload.calibration.simulate import simulate
 

@@ -21,7 +21,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_adaptiveload.bucketing.sampler import count_buckets
+from lightning_adaptiveload.bucketing.buckets import count_buckets
 from lightning_adaptiveload.calibration import derive, record
 from lightning_adaptiveload.calibration.calibrate import (
     ProfileSettings,

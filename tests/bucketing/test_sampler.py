@@ -300,39 +300,48 @@ def test_compact_dtypes_same_plan():
     assert b.shapes_fingerprint() == a.shapes_fingerprint()
 
 
+def _small_chunks(monkeypatch, rows: int) -> None:
+    """Plan in chunks of ``rows`` (many chunks, an uneven last one) in every module that chunks."""
+    from lightning_adaptiveload.bucketing import buckets, sampler, steps
+
+    for module, name in ((buckets, "CHUNK"), (sampler, "_CHUNK"), (steps, "_CHUNK")):
+        monkeypatch.setattr(module, name, rows)
+
+
 def test_chunked_indexing_and_bucket_sort_match_the_whole_array_versions(monkeypatch):
-    from lightning_adaptiveload.bucketing import sampler as sampler_module
+    from lightning_adaptiveload.bucketing import steps
 
     shapes = _shapes(7, 3001)
     whole = [list(AdaptiveBucketBatchSampler(shapes, POLICY, num_replicas=5, rank=r, seed=2)) for r in range(5)]
-    monkeypatch.setattr(sampler_module, "_CHUNK", 7)  # many chunks, uneven last one
+    _small_chunks(monkeypatch, 7)
     chunked = [list(AdaptiveBucketBatchSampler(shapes, POLICY, num_replicas=5, rank=r, seed=2)) for r in range(5)]
     assert chunked == whole
     rng = np.random.default_rng(0)
     idx = rng.permutation(1000).astype(np.int32)
     bucket_of = rng.integers(0, 9, 1000).astype(np.uint16)
-    out, counts = sampler_module._stable_sort_by_bucket(idx, bucket_of, 9)
+    out, counts = steps._stable_sort_by_bucket(idx, bucket_of, 9)
     assert np.array_equal(out, idx[np.argsort(bucket_of[idx], kind="stable")])
     assert counts.tolist() == np.bincount(bucket_of, minlength=9).tolist()
 
 
 def test_count_buckets_matches_a_row_wise_unique(monkeypatch):
-    from lightning_adaptiveload.bucketing import sampler as sampler_module
+    from lightning_adaptiveload.bucketing.buckets import count_buckets
 
     shapes = _shapes(9, 2000).astype(np.int32)
     want_grids, want_counts = np.unique(shapes, axis=0, return_counts=True)
-    monkeypatch.setattr(sampler_module, "_CHUNK", 13)
-    grids, counts = sampler_module.count_buckets(shapes)
+    _small_chunks(monkeypatch, 13)
+    grids, counts = count_buckets(shapes)
     assert grids.dtype == np.int64 and grids.tolist() == want_grids.tolist()
     assert counts.tolist() == want_counts.tolist()
     with pytest.raises(ValueError, match=r"Sample 1 has token grid \(0, 2, 2\)"):
-        sampler_module.count_buckets(np.array([(1, 2, 2), (0, 2, 2)]))
+        count_buckets(np.array([(1, 2, 2), (0, 2, 2)]))
 
 
 def _reference_plan(s, base, num_replicas, segment):
     """The epoch plan computed on whole arrays (argsort / lexsort of every batch): the chunked,
     counting-sort planner must give exactly this."""
-    from lightning_adaptiveload.bucketing.sampler import EpochPlan, batch_costs
+    from lightning_adaptiveload.bucketing.buckets import batch_costs
+    from lightning_adaptiveload.bucketing.sampler import EpochPlan
 
     rng = np.random.default_rng([s.seed, s.epoch, segment])
     bs_of_bucket = s.bucket_batch_sizes
@@ -390,9 +399,7 @@ class _Affine:
 ])  # fmt: skip
 def test_plans_equal_the_whole_array_planner_bit_for_bit(monkeypatch, chunk, world, balance, drop_last, shuffle,
                                                          cost_model):
-    from lightning_adaptiveload.bucketing import sampler as sampler_module
-
-    monkeypatch.setattr(sampler_module, "_CHUNK", chunk)
+    _small_chunks(monkeypatch, chunk)
     rng = np.random.default_rng(3)
     shapes = np.concatenate([_shapes(11, 2500), rng.integers(1, 6, (500, 3))])  # 6 common grids + a tail
     s = AdaptiveBucketBatchSampler(shapes, POLICY, num_replicas=world, seed=5, balance=balance, drop_last=drop_last,
@@ -409,24 +416,24 @@ def test_plans_equal_the_whole_array_planner_bit_for_bit(monkeypatch, chunk, wor
 
 
 def test_partial_sorts_equal_full_sorts(monkeypatch):
-    from lightning_adaptiveload.bucketing import sampler as sampler_module
+    from lightning_adaptiveload.bucketing import steps
 
     rng = np.random.default_rng(1)
     first = rng.integers(0, 4, 5000).astype(np.int32)
     second = rng.integers(0, 3, 5000).astype(np.float64)  # many exact ties in both keys
     for k in (1, 2, 37, 4999, 5000, 6000):
-        assert np.array_equal(sampler_module._lex_first(first, second, k), np.lexsort((second, first))[:k])
+        assert np.array_equal(steps._lex_first(first, second, k), np.lexsort((second, first))[:k])
     second[::7] = np.nan
-    assert np.array_equal(sampler_module._lex_first(first, second, 40), np.lexsort((second, first))[:40])
-    monkeypatch.setattr(sampler_module, "_CHUNK", 333)
+    assert np.array_equal(steps._lex_first(first, second, 40), np.lexsort((second, first))[:40])
+    _small_chunks(monkeypatch, 333)
     ids = rng.permutation(5000).astype(np.int32)
     cost = rng.integers(0, 50, 5000).astype(np.float64)
     want = np.lexsort((cost[ids], first[ids]))[:63]
-    assert np.array_equal(sampler_module._fewest_samples(ids, first, cost, 63), want)
-    assert np.array_equal(sampler_module._by_descending_cost(ids, cost), ids[np.argsort(-cost[ids], kind="stable")])
+    assert np.array_equal(steps._fewest_samples(ids, first, cost, 63), want)
+    assert np.array_equal(steps._by_descending_cost(ids, cost), ids[np.argsort(-cost[ids], kind="stable")])
     many = np.repeat(rng.random(35_000), 2)  # more distinct costs than 16-bit ranks hold: the float sort
     ids = rng.permutation(70_000).astype(np.int32)
-    assert np.array_equal(sampler_module._by_descending_cost(ids, many), ids[np.argsort(-many[ids], kind="stable")])
+    assert np.array_equal(steps._by_descending_cost(ids, many), ids[np.argsort(-many[ids], kind="stable")])
 
 
 def test_oversize_error_names_the_first_long_sample_by_its_label():

@@ -133,7 +133,7 @@ def test_fit_models_errors_and_notes():
 
 
 def test_bucket_counts_give_the_same_derivation_as_every_sample():
-    from lightning_adaptiveload.bucketing.sampler import count_buckets
+    from lightning_adaptiveload.bucketing.buckets import count_buckets
 
     shapes = mixture_token_grids(MIXED, 3_000)
     cm = CostModel("quadratic", {"a": 0.01, "c1": 8.68e-6, "c2": 1.482e-9})
