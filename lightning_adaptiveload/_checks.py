@@ -25,14 +25,16 @@ def is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def check_positive(cls: str, name: str, value: Any, *, integer: bool = False) -> float:
-    """``value`` as a float when it is a finite number > 0 (with ``integer``: a whole one, e.g. ``4.0``
-    from YAML); else ``ValueError`` naming ``cls(name=value)``."""
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+def check_positive(cls: str, name: str, value: Any, *, integer: bool = False, zero: bool = False) -> float:
+    """``value`` as a float when it is a finite number > 0 (with ``zero``: >= 0; with ``integer``: a whole
+    one, e.g. ``4.0`` from YAML); else ``ValueError`` naming ``cls(name=value)``."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value >= 0 if zero else value > 0)
     if ok and integer:
         ok = float(value).is_integer()
     if not ok:
-        kind = "a positive integer" if integer else "a positive finite number"
+        sign = "non-negative" if zero else "positive"
+        kind = f"a {sign} integer" if integer else f"a {sign} finite number"
         raise ValueError(f"{_call(cls, name, value)} is not valid. Expected {kind}.")
     return float(value)
 

@@ -24,13 +24,13 @@ NVSwitch node). Measure both on the target cluster before trusting absolute SP t
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from scipy.optimize import nnls
 
+from lightning_adaptiveload._checks import check_positive
 from lightning_adaptiveload.calibration.costmodel import CostModel
 
 #: Per-direction NVLink 4 bandwidth of an H200 SXM (half the datasheet's 900 GB/s bidirectional), B/s.
@@ -39,17 +39,6 @@ H200_NVLINK_BANDWIDTH = 450e9
 H200_NVLINK_LATENCY = 25e-6
 _JSON_FORMAT = "lightning_adaptiveload.SequenceParallelCostModel"
 _JSON_VERSION = 1
-
-
-def _positive(cls: str, name: str, value: Any, *, integer: bool = False, zero: bool = False) -> float:
-    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-    ok = ok and math.isfinite(value) and (value >= 0 if zero else value > 0)
-    if ok and integer:
-        ok = float(value).is_integer()
-    if not ok:
-        kind = "an integer" if integer else "a finite number"
-        raise ValueError(f"`{cls}({name}={value!r})` is not valid. Expected {kind} {'>= 0' if zero else '> 0'}.")
-    return float(value)
 
 
 @dataclass(frozen=True)
@@ -76,9 +65,9 @@ class UlyssesCommModel:
     def __post_init__(self) -> None:
         name = type(self).__name__
         for field in ("hidden_dim", "num_layers", "bytes_per_element", "alltoalls_per_layer"):
-            object.__setattr__(self, field, int(_positive(name, field, getattr(self, field), integer=True)))
-        object.__setattr__(self, "bandwidth", _positive(name, "bandwidth", self.bandwidth))
-        object.__setattr__(self, "latency", _positive(name, "latency", self.latency, zero=True))
+            object.__setattr__(self, field, int(check_positive(name, field, getattr(self, field), integer=True)))
+        object.__setattr__(self, "bandwidth", check_positive(name, "bandwidth", self.bandwidth))
+        object.__setattr__(self, "latency", check_positive(name, "latency", self.latency, zero=True))
 
     def bytes_per_alltoall(self, batch_size: Any, seq_len: Any, degree: int) -> np.ndarray | float:
         """Bytes one rank sends in one all-to-all: ``B·S·D·bytes·(k-1)/k²``."""

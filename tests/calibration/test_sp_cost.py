@@ -63,6 +63,9 @@ def test_defaults_bad_values_and_json_round_trip():
         UlyssesCommModel(hidden_dim=1, num_layers=1, bandwidth=0)
     with pytest.raises(ValueError, match=r"hidden_dim=1.5"):
         UlyssesCommModel(hidden_dim=1.5, num_layers=1)
+    with pytest.raises(ValueError, match=r"UlyssesCommModel\(latency=-1e-06\)` is not valid. Expected a non-negative"):
+        UlyssesCommModel(hidden_dim=1, num_layers=1, latency=-1e-6)
+    assert UlyssesCommModel(hidden_dim=1, num_layers=1, latency=0).latency == 0.0  # no latency term
     cm = SequenceParallelCostModel(BASE, comm)
     again = SequenceParallelCostModel.from_dict(cm.to_dict())
     assert again.to_json() == cm.to_json() and again.predict_sp(1, 5000, 4) == cm.predict_sp(1, 5000, 4)
