@@ -37,6 +37,7 @@ from lightning_adaptiveload.calibration.profile import (
     Measurement,
     MemoryProbe,
     Shape,
+    distinct_lengths,
     plan_grid,
     profile,
 )
@@ -54,7 +55,7 @@ class ProfileSettings:
     repeats: int = 3
     stable_rel: float = 0.02
     warmup: int = 1
-    shape_time_s: float = 10.0
+    shape_time_s: float = 5.0
     time_budget_s: float = 120.0
     converge_rel: float = 0.03
     form: str = "auto"
@@ -331,10 +332,9 @@ def profile_modes(grids: np.ndarray, settings: ProfileSettings, trainee: Trainee
 
 
 def _spread(grids: np.ndarray, max_shapes: int) -> list[tuple[int, int, int]]:
-    """Up to ``max_shapes`` grids of distinct S spread over the range, the shortest and longest included."""
-    seq = grids.prod(axis=1)
-    _, first = np.unique(seq, return_index=True)
-    reps = [tuple(int(v) for v in grids[i]) for i in first]
+    """Up to ``max_shapes`` grids of distinct S spread over the range, the shortest and longest included
+    (lengths within ``MERGE_REL`` of a longer one count as that one: :func:`distinct_lengths`)."""
+    reps = distinct_lengths(grids)
     if len(reps) > max_shapes:
         idx = np.unique(np.round(np.linspace(0, len(reps) - 1, max_shapes)).astype(int))
         reps = [reps[i] for i in idx]

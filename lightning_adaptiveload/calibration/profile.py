@@ -50,6 +50,23 @@ _STATUSES = ("ok", "oom", "skipped", "too_large")
 DEFAULT_BATCHES_PER_SEQ = 2
 # A step slower than this reports each repetition, so a long shape never looks like a hang.
 _SLOW_STEP_S = 2.0
+#: Sequence lengths within this fraction of a longer one are profiled as that one (the fit interpolates
+#: between them): a 1 % longer clip costs a full measurement and teaches the fit nothing new, and
+#: profiling the longer of the two keeps the range a mode is measured to fit ending at a corpus length.
+MERGE_REL = 0.05
+
+
+def distinct_lengths(grids: Any, merge_rel: float = MERGE_REL) -> list[tuple[int, int, int]]:
+    """One token grid per distinct sequence length of ``grids``, shortest first, where lengths within
+    ``merge_rel`` below a longer one kept are merged into it (its grid stands for them)."""
+    grids = np.asarray(grids, dtype=np.int64).reshape(-1, 3)
+    seq = grids.prod(axis=1)
+    uniq_s, first = np.unique(seq, return_index=True)
+    kept: list[int] = []  # indices into uniq_s, longest first
+    for i in range(len(uniq_s) - 1, -1, -1):
+        if not kept or uniq_s[i] < uniq_s[kept[-1]] * (1.0 - merge_rel):
+            kept.append(i)
+    return [tuple(int(v) for v in grids[first[i]]) for i in reversed(kept)]  # type: ignore[misc]
 
 
 class Collectives(Protocol):
@@ -142,7 +159,8 @@ def plan_grid(
 ) -> list[Shape]:
     """(B, grid) pairs to profile, the smallest batch of every sequence length first.
 
-    Takes up to ``max_shapes`` distinct sequence lengths spread over the corpus's range, and for each
+    Takes up to ``max_shapes`` distinct sequence lengths spread over the corpus's range (lengths within
+    :data:`MERGE_REL` of a longer one count as that one, :func:`distinct_lengths`), and for each
     ``batch_sizes`` or, by default, up to three batch sizes from 1 to ``max_tokens / S`` (a known
     memory budget, so the fit covers every batch the policy may choose) or, without one,
     ``2·S_max / S``. Sequences above ``max_seq_len`` (samples training will skip) are never profiled. Ordering by round (all
@@ -160,9 +178,8 @@ def plan_grid(
             "No sample is left to profile: every token grid is above the memory budget. Raise `m_mem` or use "
             "shorter samples."
         )
-    seq = grids.prod(axis=1)
-    uniq_s, first = np.unique(seq, return_index=True)
-    reps = [tuple(int(v) for v in grids[i]) for i in first]
+    reps = distinct_lengths(grids)
+    uniq_s = np.array([int(np.prod(g)) for g in reps])
     if len(uniq_s) == 1:
         # A single sequence length cannot identify the S-dependence; add a grid with half the
         # tokens along the largest axis so the fit is defined (the policy only queries the real S).

@@ -120,7 +120,7 @@ class ShapeBenchmarkCallback(Callback):
         repeats: int = 3,
         stable_rel: float = 0.02,
         warmup: int = 1,
-        shape_time_s: float = 10.0,
+        shape_time_s: float = 5.0,
         time_budget_s: float = 120.0,
         converge_rel: float = 0.03,
         form: str = "auto",

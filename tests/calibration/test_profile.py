@@ -2,7 +2,15 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_adaptiveload.calibration.profile import Measurement, MemoryProbe, Shape, plan_grid, profile
+from lightning_adaptiveload.calibration.profile import (
+    MERGE_REL,
+    Measurement,
+    MemoryProbe,
+    Shape,
+    distinct_lengths,
+    plan_grid,
+    profile,
+)
 
 
 class Clock:
@@ -59,6 +67,19 @@ def test_plan_grid_rounds_spread_single_seq_and_max_seq_len():
     assert sorted({s.grid for s in single}) == [(2, 4, 3), (2, 4, 6)]
     with pytest.raises(ValueError, match="No sample is left to profile"):
         plan_grid(grids, max_seq_len=3)
+
+
+def test_near_duplicate_lengths_are_profiled_as_the_longer_one():
+    # The mixed 480p+720p corpus: 32,400 (9x45x80) is 1.1% below 32,760 (21x30x52); 18,000 is 11% below 20,280.
+    grids = [(1, 30, 52), (9, 45, 80), (21, 30, 52), (5, 45, 80), (13, 30, 52), (21, 30, 52)]
+    assert distinct_lengths(grids) == [(1, 30, 52), (5, 45, 80), (13, 30, 52), (21, 30, 52)]
+    assert distinct_lengths(grids, merge_rel=0.0) == [(1, 30, 52), (5, 45, 80), (13, 30, 52), (9, 45, 80), (21, 30, 52)]
+    # Merging walks down from the longest: each kept length absorbs those within MERGE_REL below it only.
+    s = 1000
+    chain = [(1, 1, s), (1, 1, int(s * (1 - MERGE_REL / 2))), (1, 1, int(s * (1 - MERGE_REL * 1.5)))]
+    assert distinct_lengths(chain) == [chain[2], chain[0]]
+    plan = plan_grid(np.array(grids), batch_sizes=[1])
+    assert [p.seq_len for p in plan] == [1560, 18000, 20280, 32760]
 
 
 def test_median_of_timed_steps_max_over_ranks():
