@@ -16,9 +16,17 @@ SMI_PID=
 if command -v nvidia-smi >/dev/null; then
     REASONS=clocks_event_reasons.active  # the older drivers' name: clocks_throttle_reasons.active
     nvidia-smi --query-gpu=$REASONS --format=csv >/dev/null 2>&1 || REASONS=clocks_throttle_reasons.active
-    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu,$REASONS \
-        --format=csv -l 1 > "$OUT/gpu_clocks_${NAME:-recipe}.csv" 2>/dev/null &
+    FIELDS=timestamp,clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu,$REASONS
+    # Memory temperature, utilisation and memory in use where this driver knows them (a field it does not
+    # know fails the whole query).
+    nvidia-smi --query-gpu=$FIELDS,temperature.memory,utilization.gpu,memory.used --format=csv >/dev/null 2>&1 \
+        && FIELDS=$FIELDS,temperature.memory,utilization.gpu,memory.used
+    nvidia-smi --query-gpu=$FIELDS --format=csv -l 1 > "$OUT/gpu_clocks_${NAME:-recipe}.csv" 2>/dev/null &
     SMI_PID=$!
+    # Every process on the GPU, every 5 s: another process's kernels would slow the steps and draw power.
+    (while sleep 5; do echo "$(date +%T) $(nvidia-smi --query-compute-apps=pid,process_name,used_memory \
+        --format=csv,noheader 2>/dev/null | tr '\n' ';')"; done) > "$OUT/gpu_apps_${NAME:-recipe}.txt" &
+    APPS_PID=$!
 fi
 TORCH_LOGS=${TORCH_LOGS:-recompiles} timeout ${RECIPE_TIMEOUT:-420} python3 -m lightning_adaptiveload.train \
     experiment=${EXPERIMENT:-wan2_1_1_3b_480p} trainer.devices=1 \
@@ -28,5 +36,5 @@ TORCH_LOGS=${TORCH_LOGS:-recompiles} timeout ${RECIPE_TIMEOUT:-420} python3 -m l
   | grep --line-buffered -v -i "warnings.warn\|tip:\|litlogger" | while IFS= read -r line; do printf '%(%T)T %s\n' -1 "$line"; done \
   | tee "$LOG" | grep -v "__recompiles\]" | tail -${TAIL:-70}
 echo "block graphs compiled: $(( $(grep -c 'Recompiling function forward' "$LOG") + 1 )) (from TORCH_LOGS=recompiles)"
-[ -n "$SMI_PID" ] && kill "$SMI_PID" 2>/dev/null
+[ -n "$SMI_PID" ] && kill "$SMI_PID" "$APPS_PID" 2>/dev/null
 true
