@@ -134,7 +134,7 @@ class _StepTimer:
                 loss = outputs["loss"] if isinstance(outputs, dict) else outputs
                 self.losses.append(float(loss.detach().float().cpu()))
                 self.rows.append({
-                    "step": trainer.global_step, "batch_size": b, "seq_len": s, "seconds": dt,
+                    "step": trainer.global_step, "batch_size": b, "seq_len": s, "seconds": dt, "loss": self.losses[-1],
                     "update_s": None if self._t_update is None else time.perf_counter() - self._t_update,
                     "compile_s": compile_seconds() - self._c0,
                     "peak_gib": (torch.cuda.max_memory_allocated(pl_module.device) / 2**30
@@ -215,10 +215,14 @@ def _per_shape(rows: list[dict[str, Any]], warmup: int, shapes, peak_tflops: flo
     for b, grid in shapes:
         s = math.prod(grid)
         mine = [(i, r) for i, r in enumerate(rows) if r["seq_len"] == s and r["batch_size"] == b]
-        steady = [r for i, r in mine if i >= warmup and r["compile_s"] < 1e-3]
+        # A step whose loss is not finite is left out: once a run diverges its matmuls multiply NaNs, which
+        # draw less power than real data, so the GPU clocks up and the step looks faster than training is.
+        steady = [r for i, r in mine if i >= warmup and r["compile_s"] < 1e-3 and math.isfinite(r.get("loss", 0.0))]
+        nonfinite = sum(not math.isfinite(r.get("loss", 0.0)) for _, r in mine)
         key = f"{b}x{s}"
         if not steady:
-            out[key] = {"steps": 0, "note": f"{len(mine)} steps, none steady (compiling or warm-up)"}
+            out[key] = {"steps": 0, "nonfinite_loss_steps": nonfinite,
+                        "note": f"{len(mine)} steps, none steady (compiling, warm-up or a non-finite loss)"}
             continue
         dt = statistics.median(r["seconds"] for r in steady)
         tflop = steady[0]["tflops"] * steady[0]["seconds"]  # model TFLOP of one step of this shape
@@ -227,7 +231,7 @@ def _per_shape(rows: list[dict[str, Any]], warmup: int, shapes, peak_tflops: flo
             "tokens_per_s": b * s / dt, "tflops_per_gpu": tflop / dt, "mfu": tflop / dt / peak_tflops,
             "update_s": statistics.median(r.get("update_s") or 0.0 for r in steady),  # clipping + optimizer
             "peak_gib": max((r["peak_gib"] or 0.0) for _, r in mine),
-            "compile_s": sum(r["compile_s"] for _, r in mine),
+            "compile_s": sum(r["compile_s"] for _, r in mine), "nonfinite_loss_steps": nonfinite,
         }
     return out
 
