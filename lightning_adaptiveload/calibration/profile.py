@@ -250,7 +250,7 @@ def profile(
     memory_limit: float | None = None,
     stable_rel: float = 0.0,
     converge_rel: float = 0.0,
-    converge_after: int = 2,
+    converge_after: int = 1,
     form: str = "auto",
 ) -> list[Measurement]:
     """Profile ``plan`` (see the module docstring) and return one :class:`Measurement` per shape.

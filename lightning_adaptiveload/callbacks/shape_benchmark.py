@@ -87,7 +87,7 @@ class ShapeBenchmarkCallback(Callback):
             seconds of the shape's time, compile time excluded.
         time_budget_s: No new shape is started after this many seconds, once every sequence length
             has been measured.
-        converge_rel: Shapes after the first pass stop once two in a row were predicted within this
+        converge_rel: Shapes after the first pass stop once one was predicted within this
             fraction by the fit of the shapes before them (0: profile every shape).
         form: Cost-model form: ``"auto"``, ``"power"``, ``"quadratic"`` or ``"saturating"``.
         memory_margin: Fraction of device memory held back when deriving ``M_mem``.

@@ -291,3 +291,38 @@ def test_stable_timings_stop_a_shape_early():
     assert m[0].time_s == pytest.approx(2.01) and m[1].time_s == pytest.approx(1.35)
     with pytest.raises(ValueError, match="stable_rel=1.5"):
         profile(_stepper(clock, lambda b, s: 1.0), plan, stable_rel=1.5)
+
+
+def test_later_shapes_stop_once_the_fit_predicts_one_within_converge_rel():
+    # Step times exactly in the quadratic family: the fit of the first pass (B = 1 over S) predicts the
+    # first later shape exactly; it is still measured (a shape is judged by its measurement), and the
+    # rest are skipped.
+    a, c1, c2 = 0.05, 1e-4, 1e-8
+
+    def seconds(b, s):
+        return a + b * (c1 * s + c2 * s * s)
+
+    grids = np.array([(1, 1, 100), (1, 1, 400), (1, 1, 900), (1, 1, 1600)])
+    plan = plan_grid(grids, batch_sizes=[1, 2, 4])
+    first_pass = 4
+
+    def run(**kwargs):
+        clock, calls, lines = Clock(), [], []
+        m = profile(_stepper(clock, seconds, calls), plan, warmup=0, repeats=1, clock=clock, form="quadratic",
+                    progress=lines.append, **kwargs)
+        return m, calls, lines
+
+    m, calls, lines = run(converge_rel=0.03)
+    later = m[first_pass:]
+    assert [x.status for x in later] == ["ok"] + ["skipped"] * (len(later) - 1)
+    assert len(calls) == first_pass + 1
+    assert any(f"skipping the {len(later) - 1} left" in line for line in lines)
+    m, calls, _ = run(converge_rel=0.03, converge_after=2)
+    assert [x.status for x in m[first_pass:]] == ["ok", "ok"] + ["skipped"] * (len(later) - 2)
+    # A later shape the fit predicted badly (3x off) does not count: the next one is measured too.
+    clock = Clock()
+    m = profile(_stepper(clock, lambda b, s: seconds(b, s) * (3.0 if (b, s) == (2, 100) else 1.0)), plan,
+                warmup=0, repeats=1, clock=clock, form="quadratic", converge_rel=0.03)
+    assert [x.status for x in m[first_pass:first_pass + 2]] == ["ok", "ok"]
+    m, calls, _ = run(converge_rel=0.0)
+    assert all(x.status == "ok" for x in m) and len(calls) == len(plan)
