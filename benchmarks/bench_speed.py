@@ -215,8 +215,7 @@ def _per_shape(rows: list[dict[str, Any]], warmup: int, shapes, peak_tflops: flo
     for b, grid in shapes:
         s = math.prod(grid)
         mine = [(i, r) for i, r in enumerate(rows) if r["seq_len"] == s and r["batch_size"] == b]
-        # A step whose loss is not finite is left out: once a run diverges its matmuls multiply NaNs, which
-        # draw less power than real data, so the GPU clocks up and the step looks faster than training is.
+        # A step whose loss is not finite is left out: a diverged run's step times say nothing about training.
         steady = [r for i, r in mine if i >= warmup and r["compile_s"] < 1e-3 and math.isfinite(r.get("loss", 0.0))]
         nonfinite = sum(not math.isfinite(r.get("loss", 0.0)) for _, r in mine)
         key = f"{b}x{s}"

@@ -319,8 +319,8 @@ def profile(
                 continue
             shape = Shape(capped, shape.grid)
         if i >= first_pass and converge_rel > 0 and not stopped and converged >= converge_after:
-            say(f"the fit predicted {converged} shapes in a row within {converge_rel:.0%}; skipping the "
-                f"{n - i} left")
+            what = "a shape" if converged == 1 else f"{converged} shapes in a row"
+            say(f"the fit predicted {what} within {converge_rel:.0%}; skipping the {n - i} left")
             stopped = True
         predicted = _predict_next(out, shape, form) if i >= first_pass and converge_rel > 0 else None
         b, grid, s = shape.batch_size, shape.grid, shape.seq_len
