@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ import numpy as np
 import lightning_adaptiveload.calibration.derive as derive
 import lightning_adaptiveload.calibration.record as record
 from lightning_adaptiveload.bucketing.sampler import oversize_error
+from lightning_adaptiveload.calibration.costmodel import FORMS
 from lightning_adaptiveload.calibration.profile import (
     Collectives,
     LocalCollectives,
@@ -48,7 +50,13 @@ __all__ = ["CalibrationResult", "ProfileSettings", "Trainee", "calibrate", "chec
 @dataclass(frozen=True)
 class ProfileSettings:
     """How to profile and derive (the arguments of
-    :class:`~lightning_adaptiveload.callbacks.shape_benchmark.ShapeBenchmarkCallback`, which checks them)."""
+    :class:`~lightning_adaptiveload.callbacks.shape_benchmark.ShapeBenchmarkCallback`, documented there).
+
+    Checked and normalised on construction; ``owner`` names the call in the errors.
+
+    Raises:
+        ValueError: a setting out of range, naming it and what is expected.
+    """
 
     batch_sizes: Sequence[int] | None = None
     max_shapes: int = 8
@@ -62,6 +70,46 @@ class ProfileSettings:
     memory_margin: float = 0.1
     step_budget_s: float | None = None
     m_mem: int | None = None
+    owner: InitVar[str] = "ProfileSettings"
+
+    def __post_init__(self, owner: str) -> None:
+        def bad(name: str, expected: str) -> ValueError:
+            return ValueError(f"`{owner}({name}={getattr(self, name)!r})` is not valid. Expected {expected}.")
+
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        if self.batch_sizes is not None:
+            sizes = list(self.batch_sizes)
+            if not sizes or any(isinstance(b, bool) or int(b) != b or b < 1 for b in sizes):
+                raise bad("batch_sizes", "a non-empty list of positive integers, or None")
+            put("batch_sizes", sorted({int(b) for b in sizes}))
+        for name, low in (("max_shapes", 1), ("repeats", 1), ("warmup", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or int(value) != value or value < low:
+                raise bad(name, f"an integer >= {low}")
+            put(name, int(value))
+        for name in ("time_budget_s", "shape_time_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0):
+                raise bad(name, "seconds > 0")
+            put(name, float(value))
+        for name in ("stable_rel", "converge_rel", "memory_margin"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 <= value < 1):
+                raise bad(name, "a fraction in [0, 1)")
+            put(name, float(value))
+        if self.form not in (*FORMS, "auto"):
+            raise bad("form", f"one of {(*FORMS, 'auto')}")
+        budget = self.step_budget_s
+        if budget is not None and (isinstance(budget, bool) or not (isinstance(budget, (int, float))
+                                                                   and math.isfinite(budget) and budget > 0)):
+            raise bad("step_budget_s", "seconds > 0 or None")
+        m_mem = self.m_mem
+        if m_mem is not None:
+            if isinstance(m_mem, bool) or int(m_mem) != m_mem or m_mem < 1:
+                raise bad("m_mem", "a positive token count or None")
+            put("m_mem", int(m_mem))
 
 
 @dataclass

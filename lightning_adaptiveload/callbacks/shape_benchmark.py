@@ -9,7 +9,6 @@ switches the activation-checkpointing mode per batch, and checkpoints, logs and 
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,7 +28,6 @@ from lightning_adaptiveload.calibration.calibrate import (
     derive_for,
     key_diff,
 )
-from lightning_adaptiveload.calibration.costmodel import FORMS
 from lightning_adaptiveload.calibration.profile import is_out_of_memory
 from lightning_adaptiveload.callbacks._trainee import calibration_key, lightning_trainee
 from lightning_adaptiveload.models.protocol import check_module
@@ -133,37 +131,10 @@ class ShapeBenchmarkCallback(Callback):
         save_dir: str | os.PathLike | None = None,
         enabled: bool = True,
     ) -> None:
-        name = type(self).__name__
-        if batch_sizes is not None:
-            batch_sizes = list(batch_sizes)
-            if not batch_sizes or any(isinstance(b, bool) or int(b) != b or b < 1 for b in batch_sizes):
-                raise ValueError(
-                    f"`{name}(batch_sizes={batch_sizes!r})` is not valid. Expected a non-empty list of positive "
-                    "integers, or None."
-                )
-            batch_sizes = sorted({int(b) for b in batch_sizes})
-        for arg, value, low in (("max_shapes", max_shapes, 1), ("repeats", repeats, 1), ("warmup", warmup, 0)):
-            if isinstance(value, bool) or int(value) != value or value < low:
-                raise ValueError(f"`{name}({arg}={value!r})` is not valid. Expected an integer >= {low}.")
-        for arg, value in (("time_budget_s", time_budget_s), ("shape_time_s", shape_time_s)):
-            if not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"`{name}({arg}={value!r})` is not valid. Expected seconds > 0.")
-        for arg, value in (("stable_rel", stable_rel), ("converge_rel", converge_rel)):
-            if not (isinstance(value, (int, float)) and 0 <= value < 1):
-                raise ValueError(f"`{name}({arg}={value!r})` is not valid. Expected a fraction in [0, 1).")
-        if form not in (*FORMS, "auto"):
-            raise ValueError(f"`{name}(form={form!r})` is not valid. Expected one of {(*FORMS, 'auto')}.")
-        if not 0 <= memory_margin < 1:
-            raise ValueError(f"`{name}(memory_margin={memory_margin!r})` is not valid. Expected a fraction in [0, 1).")
-        if step_budget_s is not None and not (math.isfinite(step_budget_s) and step_budget_s > 0):
-            raise ValueError(f"`{name}(step_budget_s={step_budget_s!r})` is not valid. Expected seconds > 0 or None.")
-        if m_mem is not None and (isinstance(m_mem, bool) or int(m_mem) != m_mem or m_mem < 1):
-            raise ValueError(f"`{name}(m_mem={m_mem!r})` is not valid. Expected a positive token count or None.")
         self.settings = ProfileSettings(
-            batch_sizes=batch_sizes, max_shapes=int(max_shapes), repeats=int(repeats), stable_rel=float(stable_rel),
-            warmup=int(warmup), shape_time_s=float(shape_time_s), time_budget_s=float(time_budget_s),
-            converge_rel=float(converge_rel), form=form, memory_margin=float(memory_margin),
-            step_budget_s=step_budget_s, m_mem=None if m_mem is None else int(m_mem))
+            batch_sizes=batch_sizes, max_shapes=max_shapes, repeats=repeats, stable_rel=stable_rel, warmup=warmup,
+            shape_time_s=shape_time_s, time_budget_s=time_budget_s, converge_rel=converge_rel, form=form,
+            memory_margin=memory_margin, step_budget_s=step_budget_s, m_mem=m_mem, owner=type(self).__name__)
         self.cache_dir = None if cache_dir is None else Path(cache_dir).expanduser()
         self.calibration_path = None if calibration is None else Path(calibration).expanduser()
         self.force = force
