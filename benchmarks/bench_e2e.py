@@ -192,7 +192,7 @@ def _run(args: argparse.Namespace, name: str, out_dir: Path, m_mem: int | None, 
     bench = next((cb for cb in run.trainer.callbacks if isinstance(cb, ShapeBenchmarkCallback)), None)
     fused = next((cb for cb in run.trainer.callbacks if isinstance(cb, FusedAdaLNCallback)), None)
     summary = monitor.summary()
-    history = np.stack(monitor.history) if monitor.history else np.zeros((0, run.trainer.world_size, 9))
+    history = np.stack(monitor.history) if monitor.history else np.zeros((0, run.trainer.world_size, len(BalanceMonitor.FIELDS)))
     dm = run.datamodule
     world = run.trainer.world_size
     sim = simulate(dm.shapes, dm.policy, world, cost_model=dm.cost_model, balance=dm.balance, seed=args.seed)

@@ -1,8 +1,8 @@
 """Measure cross-rank load balance of every training step and report it.
 
 Every step, each rank records its step time, forward time, predicted compute, tokens, peak
-memory, model FLOPs and data wait; the seven numbers are all-gathered (one tiny collective per step) and turned into the
-paper's metrics: compute imbalance rate (CV of predicted per-rank compute), synchronisation overhead
+memory, model FLOPs, data wait, allocator counts and the GPU's clock and power; these numbers are
+all-gathered (one tiny collective per step) and turned into the paper's metrics: compute imbalance rate (CV of predicted per-rank compute), synchronisation overhead
 (CV of per-rank step time), bubble fraction (1 - mean/max) and tokens/s (all ranks' tokens over
 the slowest rank's time).
 
@@ -48,7 +48,7 @@ from lightning_adaptiveload.bucketing.sequence_parallel import sp_cost_function
 from lightning_adaptiveload.geometry import tokens_of
 
 _FIELDS = ("step_time", "forward_time", "compute", "tokens", "peak_mem", "flops", "data_wait", "alloc_retries",
-           "device_allocs")
+           "device_allocs", "sm_clock_mhz", "power_w")
 # Dense bf16 peaks (TFLOP/s) of GPUs that Lightning's `get_available_flops` does not give (Lightning 2.6):
 # for the name "NVIDIA H200" it warns "FLOPs not found" and returns None (it knows only "h200 sxm1" /
 # "h200 nvl1", and their bf16 entries, 2,000 / 1,700 TFLOP/s, are the with-sparsity figures). The H200 has
@@ -64,6 +64,15 @@ def _allocator_counts(device: torch.device) -> tuple[int, int]:
     stats = torch.cuda.memory_stats(device)
     return (int(stats.get("num_alloc_retries", 0)),
             int(stats.get("num_device_alloc", 0)) + int(stats.get("num_device_free", 0)))
+
+
+def _clock_and_power(device: torch.device) -> tuple[float, float]:
+    """The GPU's SM clock (MHz) and power draw (W) over NVML's last sample period (1/6 s to 1 s), through
+    ``torch.cuda.clock_rate`` / ``power_draw`` (they need the ``nvidia-ml-py`` package). Raises what
+    they raise; NaNs off CUDA."""
+    if device.type != "cuda":
+        return float("nan"), float("nan")
+    return float(torch.cuda.clock_rate(device)), float(torch.cuda.power_draw(device)) / 1000.0
 
 
 def _device_peak_tflops(device: torch.device) -> float | None:
@@ -119,7 +128,9 @@ class BalanceMonitor(Callback):
     cache and retry an allocation in the step; each retry synchronises the device, and the first one
     warns, naming the fix) and ``balance/device_allocs`` (the most over ranks of the device allocations
     and frees, ``cudaMalloc`` / ``cudaFree``, the cache made in the step: 0 in a steady state that reuses
-    its cache). At the end of fit, rank 0 prints a balance report
+    its cache), ``balance/sm_clock_mhz`` (the lowest over ranks) and ``balance/power_w`` (the highest), the
+    GPU's SM clock and power draw read through ``torch.cuda.clock_rate`` / ``power_draw`` (with
+    ``nvidia-ml-py`` installed; the report says when they are not). At the end of fit, rank 0 prints a balance report
     (rich table, one row per rank, plus the run's means over the steps after ``warmup_steps``).
 
     Args:
@@ -143,6 +154,10 @@ class BalanceMonitor(Callback):
 
         trainer = Trainer(callbacks=[BalanceMonitor(log_every_n_steps=10)], use_distributed_sampler=False)
     """
+
+    #: Column names of the rows of :attr:`history` (``sm_clock_mhz`` and ``power_w`` are NaN off CUDA or
+    #: without ``nvidia-ml-py``).
+    FIELDS: tuple[str, ...] = _FIELDS
 
     def __init__(
         self,
@@ -171,7 +186,7 @@ class BalanceMonitor(Callback):
         self._peak_tflops: float | None = peak_tflops
         self._active_cost_model: CostPredictor | None = cost_model
         self._seen = 0
-        #: Per-step rows ``[ranks, fields]`` of every step after the warm-up (for benchmarks).
+        #: Per-step rows ``[ranks, fields]`` of every step after the warm-up (for benchmarks; columns: :attr:`FIELDS`).
         self.history: list[np.ndarray] = []
         self.p = float(p)
         self.synchronize = synchronize
@@ -186,6 +201,7 @@ class BalanceMonitor(Callback):
         self._allocator0 = (0, 0)  # the allocator's counters at the current batch's start
         self._warned_retries = False
         self._flops_fn: Any = None
+        self._clock_error: str | None = None  # why the GPU clock and power are not recorded (on CUDA)
         #: :meth:`epoch_estimate` of the DataModule's plan, computed at the end of fit (``None``: none).
         self.epoch: dict[str, float] | None = None
         self._reset_totals(0)
@@ -214,6 +230,12 @@ class BalanceMonitor(Callback):
         self._seen = 0
         self.epoch = None
         self._peak_tflops = self.peak_tflops or _device_peak_tflops(pl_module.device)
+        self._clock_error = None
+        if pl_module.device.type == "cuda":
+            try:
+                _clock_and_power(pl_module.device)
+            except Exception as err:  # noqa: BLE001 - e.g. no nvidia-ml-py; the report says why
+                self._clock_error = f"{type(err).__name__}: {err}"[:200]
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -281,8 +303,9 @@ class BalanceMonitor(Callback):
         flops = float(b) * float(flops_fn(s)) / degree if callable(flops_fn) else 0.0
         retries, device_allocs = (float(now - then) for now, then in
                                   zip(_allocator_counts(pl_module.device), self._allocator0, strict=True))
+        clock, power = (float("nan"), float("nan")) if self._clock_error else _clock_and_power(pl_module.device)
         local = torch.tensor([step_time, forward_time, self._predicted_compute(b, s, degree), float(b * s) / degree,
-                              float(peak), flops, self._wait, retries, device_allocs],
+                              float(peak), flops, self._wait, retries, device_allocs, clock, power],
                              dtype=torch.float64, device=pl_module.device)
         gathered = trainer.strategy.all_gather(local)
         rows = gathered.reshape(-1, len(_FIELDS)).cpu().numpy()
@@ -310,7 +333,8 @@ class BalanceMonitor(Callback):
     def _accumulate(self, rows: np.ndarray, counted: bool = True) -> None:
         if self._per_rank_sum.shape[0] != rows.shape[0]:
             self._reset_totals(rows.shape[0])
-        t, fwd, comp, tokens, peak, flops, wait, retries, device_allocs = (rows[:, i] for i in range(len(_FIELDS)))
+        t, fwd, comp, tokens, peak, flops, wait, retries, device_allocs, clock, power = (
+            rows[:, i] for i in range(len(_FIELDS)))
         max_t = float(t.max())
         metrics = {
             "balance/step_time_cv": float(sync_overhead(t)),
@@ -323,6 +347,10 @@ class BalanceMonitor(Callback):
             "balance/alloc_retries": float(retries.max()),
             "balance/device_allocs": float(device_allocs.max()),
         }
+        if np.isfinite(clock).all() and np.isfinite(power).all():
+            # The slowest clock and the highest draw over ranks: a rank held back by its power cap shows.
+            metrics["balance/sm_clock_mhz"] = float(clock.min())
+            metrics["balance/power_w"] = float(power.max())
         if flops.sum() > 0 and max_t > 0:
             # Model FLOPs of all ranks over the slowest rank's time, per GPU.
             tflops = float(flops.sum() / max_t / len(t) / 1e12)
@@ -361,6 +389,10 @@ class BalanceMonitor(Callback):
         out["alloc_retries"] = float(self._per_rank_sum[:, 7].max()) if self._per_rank_sum.size else 0.0  # a total
         out["device_allocs"] = float(self._per_rank_sum[:, 8].max()) if self._per_rank_sum.size else 0.0  # a total
         out["steps"] = float(self._steps)
+        if "sm_clock_mhz" in out:
+            # Each rank's mean over the counted steps; the lowest clock and the highest draw over ranks.
+            out["sm_clock_mhz"] = float((self._per_rank_sum[:, 9] / self._steps).min())
+            out["power_w"] = float((self._per_rank_sum[:, 10] / self._steps).max())
         if self.epoch is not None:
             out["epoch_tokens_per_s"] = self.epoch["tokens_per_s"]
             if "mfu" in self.epoch:
@@ -482,6 +514,13 @@ class BalanceMonitor(Callback):
             + (f" | allocator retries {int(s['alloc_retries'])}" if s.get("alloc_retries") else "")
             + (f" | device allocations {int(s['device_allocs'])}" if s.get("device_allocs") else "")
         )
+        if "sm_clock_mhz" in s:
+            console.print(f"GPU: SM clock {s['sm_clock_mhz']:,.0f} MHz, {s['power_w']:,.0f} W (means over the steps; "
+                          "the lowest clock and the highest draw over ranks). A slower clock than while profiling, "
+                          "e.g. under a power cap, makes steps longer than predicted.")
+        elif self._clock_error:
+            console.print(f"GPU clock and power: not recorded ({self._clock_error}; torch.cuda.clock_rate needs "
+                          "the nvidia-ml-py package)")
         e = self.epoch
         if e is not None:
             rest = "" if e["measured_buckets"] == e["buckets"] else f"; the rest predicted x {e['ratio']:.2f}"

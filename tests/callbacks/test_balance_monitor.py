@@ -64,7 +64,9 @@ def test_gathered_rows_give_paper_metrics():
     monitor = BalanceMonitor(cost_model=SimpleNamespace(predict=lambda b, s: b * s * 1e-3))
     # two ranks: step times 1 s and 3 s, predicted compute 2 and 6, tokens 10 and 30, no FLOPs counted
     # data wait 1 s before rank 0's step and 0.5 s before rank 1's
-    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 1.0, 0.0, 5.0], [3.0, 1.5, 6.0, 30.0, 2**30, 0.0, 0.5, 2.0, 1.0]]))
+    # ... SM clocks 1,800 and 1,700 MHz, power 600 and 690 W
+    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 1.0, 0.0, 5.0, 1800.0, 600.0],
+                                  [3.0, 1.5, 6.0, 30.0, 2**30, 0.0, 0.5, 2.0, 1.0, 1700.0, 690.0]]))
     m = monitor.last_metrics
     assert m["balance/step_time_cv"] == pytest.approx(0.5)
     assert m["balance/forward_time_cv"] == pytest.approx(0.5)
@@ -76,10 +78,42 @@ def test_gathered_rows_give_paper_metrics():
     assert "balance/tflops_per_gpu" not in m
     assert m["train/data_wait_frac"] == pytest.approx(0.5)  # the worse rank: 1 s of 2 s
     assert m["balance/alloc_retries"] == 2.0 and m["balance/device_allocs"] == 5.0  # the most on any rank
-    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0], [3.0, 1.5, 6.0, 30.0, 0.0, 0.0, 1.0, 0.0, 0.0]]))
+    # The slowest clock and the highest draw over ranks.
+    assert m["balance/sm_clock_mhz"] == 1700.0 and m["balance/power_w"] == 690.0
+    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1900.0, 500.0],
+                                  [3.0, 1.5, 6.0, 30.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1750.0, 650.0]]))
     assert monitor.last_metrics["train/data_wait_frac"] == pytest.approx(0.25)
     # over the run, per rank: rank 0 1 s of 3 s, rank 1 1.5 s of 7.5 s -> the larger
-    assert monitor.summary()["data_wait_frac"] == pytest.approx(1.0 / 3.0)
+    s = monitor.summary()
+    assert s["data_wait_frac"] == pytest.approx(1.0 / 3.0)
+    # Each rank's mean clock (1,850 and 1,725 MHz) and power (550 and 670 W): the lowest and the highest.
+    assert s["sm_clock_mhz"] == pytest.approx(1725.0) and s["power_w"] == pytest.approx(670.0)
+
+
+def test_clock_and_power_are_left_out_when_not_measured():
+    monitor = BalanceMonitor()
+    nan = float("nan")
+    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan]]))
+    assert "balance/sm_clock_mhz" not in monitor.last_metrics and "sm_clock_mhz" not in monitor.summary()
+
+
+def test_report_gives_the_gpu_clock_or_why_it_is_missing(tmp_path, monkeypatch, capsys):
+    samples = iter([(1980.0, 500.0)] + [(1700.0, 690.0)] * 10)
+    monkeypatch.setattr(balance_monitor, "_clock_and_power", lambda device: next(samples))
+    monitor = BalanceMonitor(log_every_n_steps=1, warmup_steps=1)
+    trainer = Trainer(default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=4, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      callbacks=[monitor])
+    trainer.fit(TinyModule(), train_dataloaders=_loader())
+    assert [row[0][9] for row in monitor.history] == [1700.0] * 3  # the warm-up step's sample is left out
+    out = " ".join(capsys.readouterr().out.split())
+    assert "GPU: SM clock 1,700 MHz, 690 W" in out
+    monitor._clock_error = "ModuleNotFoundError: No module named 'pynvml'"
+    monitor._metric_sums.pop("balance/sm_clock_mhz")
+    monitor._print_report()
+    out = " ".join(capsys.readouterr().out.split())
+    assert "GPU clock and power: not recorded (ModuleNotFoundError: No module named 'pynvml'" in out
+    assert "nvidia-ml-py" in out
 
 
 @pytest.mark.parametrize("kwargs, msg", [({"log_every_n_steps": 0}, "log_every_n_steps=0"), ({"p": -1}, "p=-1")])
@@ -337,8 +371,9 @@ def test_epoch_estimate_weighs_every_bucket_by_its_batches_in_the_plan(tmp_path,
 def test_epoch_estimate_spreads_the_epoch_over_the_ranks_and_keeps_the_bubble():
     monitor = BalanceMonitor(cost_model=SimpleNamespace(predict=lambda b, s: 1.0))
     # Two ranks, one counted step: 2 s and 4 s (bubble 1 - 3/4), B=1 x S=8 on this rank.
-    monitor._accumulate(np.array([[2.0, 1.0, 1.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0],
-                                  [4.0, 1.0, 1.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0]]))
+    nan = float("nan")  # no clock or power (CPU)
+    monitor._accumulate(np.array([[2.0, 1.0, 1.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan],
+                                  [4.0, 1.0, 1.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan]]))
     monitor._shape_sums[(1, 8)] = np.array([1.0, 2.0, 1.0, 0.0])
     e = monitor.epoch_estimate([{"seq_len": 8, "batch_size": 1, "batches": 6},
                                 {"seq_len": 16, "batch_size": 1, "batches": 2, "sp_degree": 2}])
@@ -346,3 +381,12 @@ def test_epoch_estimate_spreads_the_epoch_over_the_ranks_and_keeps_the_bubble():
     t_sp = monitor._predicted_compute(1, 16, 2) * 2.0
     seconds = (6 * 2.0 + 2 * t_sp * 2) / 2 / 0.75
     assert e["tokens_per_s"] == pytest.approx((6 * 8 + 2 * 16) / seconds)
+
+
+@pytest.mark.cuda
+def test_clock_and_power_read_the_gpu():
+    try:
+        clock, power = balance_monitor._clock_and_power(torch.device("cuda", torch.cuda.current_device()))
+    except ModuleNotFoundError as err:  # torch.cuda.clock_rate needs nvidia-ml-py
+        pytest.skip(f"no NVML bindings: {err}")
+    assert 100.0 < clock < 5000.0 and 10.0 < power < 2000.0
