@@ -2,8 +2,8 @@
 
 Every step, each rank records its step time, forward time, predicted compute, tokens, peak
 memory, model FLOPs, data wait, allocator counts and the GPU's clock and power; these numbers are
-all-gathered (one tiny collective per step) and turned into the paper's metrics: compute imbalance rate (CV of predicted per-rank compute), synchronisation overhead
-(CV of per-rank step time), bubble fraction (1 - mean/max) and tokens/s (all ranks' tokens over
+all-gathered (one tiny collective per step) and turned into the paper's metrics: compute imbalance
+rate (CV of predicted per-rank compute), synchronisation overhead (CV of per-rank step time), bubble fraction (1 - mean/max) and tokens/s (all ranks' tokens over
 the slowest rank's time).
 
 Under DDP/FSDP a fast rank waits inside the gradient collectives, so *step* times even out and
@@ -215,6 +215,9 @@ class BalanceMonitor(Callback):
         self._sum_max_time = 0.0
         self._sum_tokens = 0.0
         self._sum_flops = 0.0
+        # Per rank: sums of the SM clock and power samples that were read, and how many were.
+        self._gpu_sums = np.zeros((world_size, 2))
+        self._gpu_samples = np.zeros(world_size)
         # This rank's counted steps per batch shape (B, S): [steps, step time, predicted compute, FLOPs].
         self._shape_sums: dict[tuple[int, int], np.ndarray] = {}
 
@@ -303,7 +306,12 @@ class BalanceMonitor(Callback):
         flops = float(b) * float(flops_fn(s)) / degree if callable(flops_fn) else 0.0
         retries, device_allocs = (float(now - then) for now, then in
                                   zip(_allocator_counts(pl_module.device), self._allocator0, strict=True))
-        clock, power = (float("nan"), float("nan")) if self._clock_error else _clock_and_power(pl_module.device)
+        clock = power = float("nan")
+        if not self._clock_error:
+            try:
+                clock, power = _clock_and_power(pl_module.device)
+            except Exception:  # noqa: BLE001 - a failed NVML read loses one sample, never the step
+                pass
         local = torch.tensor([step_time, forward_time, self._predicted_compute(b, s, degree), float(b * s) / degree,
                               float(peak), flops, self._wait, retries, device_allocs, clock, power],
                              dtype=torch.float64, device=pl_module.device)
@@ -369,6 +377,9 @@ class BalanceMonitor(Callback):
         self._sum_max_time += max_t
         self._sum_tokens += float(tokens.sum())
         self._sum_flops += float(flops.sum())
+        read = np.isfinite(clock) & np.isfinite(power)
+        self._gpu_sums[read] += np.stack([clock, power], axis=1)[read]
+        self._gpu_samples[read] += 1
 
     def summary(self) -> dict[str, float]:
         """Run means: per-step CVs averaged; bubble and tokens/s from totals (time-weighted)."""
@@ -389,10 +400,12 @@ class BalanceMonitor(Callback):
         out["alloc_retries"] = float(self._per_rank_sum[:, 7].max()) if self._per_rank_sum.size else 0.0  # a total
         out["device_allocs"] = float(self._per_rank_sum[:, 8].max()) if self._per_rank_sum.size else 0.0  # a total
         out["steps"] = float(self._steps)
-        if "sm_clock_mhz" in out:
-            # Each rank's mean over the counted steps; the lowest clock and the highest draw over ranks.
-            out["sm_clock_mhz"] = float((self._per_rank_sum[:, 9] / self._steps).min())
-            out["power_w"] = float((self._per_rank_sum[:, 10] / self._steps).max())
+        out.pop("sm_clock_mhz", None), out.pop("power_w", None)
+        if self._gpu_samples.size and (self._gpu_samples > 0).all():
+            # Each rank's mean over the samples read; the lowest clock and the highest draw over ranks.
+            means = self._gpu_sums / self._gpu_samples[:, None]
+            out["sm_clock_mhz"] = float(means[:, 0].min())
+            out["power_w"] = float(means[:, 1].max())
         if self.epoch is not None:
             out["epoch_tokens_per_s"] = self.epoch["tokens_per_s"]
             if "mfu" in self.epoch:

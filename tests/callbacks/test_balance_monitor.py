@@ -88,6 +88,14 @@ def test_gathered_rows_give_paper_metrics():
     assert s["data_wait_frac"] == pytest.approx(1.0 / 3.0)
     # Each rank's mean clock (1,850 and 1,725 MHz) and power (550 and 670 W): the lowest and the highest.
     assert s["sm_clock_mhz"] == pytest.approx(1725.0) and s["power_w"] == pytest.approx(670.0)
+    # A sample that could not be read (NaN) leaves that step's metric out and the run means unchanged.
+    nan = float("nan")
+    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2000.0, 100.0],
+                                  [3.0, 1.5, 6.0, 30.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan]]))
+    assert "balance/sm_clock_mhz" not in monitor.last_metrics
+    s = monitor.summary()
+    assert s["sm_clock_mhz"] == pytest.approx(1725.0)  # rank 1 over its 2 samples; rank 0's mean is 1,900
+    assert s["power_w"] == pytest.approx(670.0)  # rank 0's mean is now 400 W
 
 
 def test_clock_and_power_are_left_out_when_not_measured():
@@ -109,7 +117,7 @@ def test_report_gives_the_gpu_clock_or_why_it_is_missing(tmp_path, monkeypatch, 
     out = " ".join(capsys.readouterr().out.split())
     assert "GPU: SM clock 1,700 MHz, 690 W" in out
     monitor._clock_error = "ModuleNotFoundError: No module named 'pynvml'"
-    monitor._metric_sums.pop("balance/sm_clock_mhz")
+    monitor._gpu_samples[:] = 0
     monitor._print_report()
     out = " ".join(capsys.readouterr().out.split())
     assert "GPU clock and power: not recorded (ModuleNotFoundError: No module named 'pynvml'" in out
@@ -381,6 +389,25 @@ def test_epoch_estimate_spreads_the_epoch_over_the_ranks_and_keeps_the_bubble():
     t_sp = monitor._predicted_compute(1, 16, 2) * 2.0
     seconds = (6 * 2.0 + 2 * t_sp * 2) / 2 / 0.75
     assert e["tokens_per_s"] == pytest.approx((6 * 8 + 2 * 16) / seconds)
+
+
+def test_a_failed_clock_read_loses_the_sample_not_the_step(tmp_path, monkeypatch):
+    calls = iter(range(100))
+
+    def read(device):
+        if next(calls) == 1:
+            raise RuntimeError("NVML_ERROR_UNKNOWN")
+        return 1700.0, 690.0
+
+    monkeypatch.setattr(balance_monitor, "_clock_and_power", read)
+    monitor = BalanceMonitor(log_every_n_steps=1, print_report=False)
+    trainer = Trainer(default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=3, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      callbacks=[monitor])
+    trainer.fit(TinyModule(), train_dataloaders=_loader())
+    clocks = [row[0][9] for row in monitor.history]
+    assert len(clocks) == 3 and np.isnan(clocks[1]) and clocks[0] == clocks[2] == 1700.0
+    assert monitor.summary()["sm_clock_mhz"] == 1700.0
 
 
 @pytest.mark.cuda
