@@ -1,5 +1,7 @@
-"""The live Lightning training step as the calibration conductor's :class:`Trainee`, and the key of
-what determines its cost. Private to :mod:`~lightning_adaptiveload.callbacks.shape_benchmark`."""
+"""The live Lightning training step as the calibration conductor's :class:`Trainee`, the key of what
+determines its cost, and the conductor's other inputs and outputs on the Lightning side (the corpus, the
+sampler settings, the checkpointing modes applied to the module). Private to
+:mod:`~lightning_adaptiveload.callbacks.shape_benchmark`."""
 
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ import numpy as np
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.seed import isolate_rng
 
+from lightning_adaptiveload.bucketing.buckets import count_buckets
 from lightning_adaptiveload.calibration import derive, record
 from lightning_adaptiveload.calibration.calibrate import ProfileSettings, Trainee
 from lightning_adaptiveload.calibration.profile import MemoryProbe, plan_grid
@@ -168,3 +172,61 @@ def _clear_grads(trainer: Trainer, pl_module: LightningModule) -> None:
     for module in modules:
         for p in module.parameters():
             p.grad = None
+
+
+# ---------------------------------------------------------------------- the conductor's other inputs
+_NAME = "`ShapeBenchmarkCallback`"
+
+
+def corpus(trainer: Trainer) -> tuple[np.ndarray, np.ndarray]:
+    """The dataset's distinct token grids and their sample counts (calibration needs no more)."""
+    grids = np.asarray(trainer.datamodule.dataset.token_grids())
+    if len(grids) == 0:
+        raise MisconfigurationException(f"{_NAME}: the dataset has no samples to profile.")
+    return count_buckets(grids)
+
+
+def samples_of(trainer: Trainer) -> tuple[np.ndarray, Any]:
+    """Every sample's token grid and the dataset's ``sample_label`` (oversize errors name the sample)."""
+    dataset = trainer.datamodule.dataset
+    return np.asarray(dataset.token_grids()), getattr(dataset, "sample_label", None)
+
+
+def sampler_settings(trainer: Trainer) -> dict[str, Any]:
+    """The DataModule's sampler settings the derivation needs: balance, seed, oversize rule and SP degree."""
+    dm = trainer.datamodule
+    # With sequence parallelism the planner trains a sample too long for one rank on a group of k ranks,
+    # so only samples above the largest usable k times the memory budget are oversize.
+    sp = getattr(dm, "sp_config", None)
+    sp_degree = max(sp.usable_degrees(trainer.world_size), default=1) if sp is not None else 1
+    return {"balance": getattr(dm, "balance", "cost"), "seed": int(getattr(dm, "seed", 0) or 0),
+            "oversize": getattr(getattr(dm, "policy", None), "oversize", "error"), "sp_degree": sp_degree}
+
+
+def apply_checkpointing(pl_module: LightningModule, derivation: derive.Derivation, source: str, auto: bool) -> None:
+    """Give the module the activation-checkpointing mode(s) its calibration was profiled with (cache, file,
+    checkpoint): an ``"auto"`` module (``auto``) gets the first tier's mode (batches switch it per bucket);
+    a module with a fixed mode is warned when the calibration was profiled in another.
+
+    Raises:
+        ValueError: the calibration holds a mode the module does not support.
+    """
+    current = getattr(pl_module, "checkpointing", None)
+    if current is None:
+        return
+    modes = [t["mode"] for t in derivation.tiers]
+    if not modes:
+        if auto:
+            rank_zero_warn(f"{_NAME}: the calibration from {source} does not record activation-checkpointing "
+                           "modes; training with 'full'. Profile again (`force=True`) to choose them per bucket.")
+            pl_module.set_checkpointing("full")
+        return
+    unknown = [m for m in modes if m not in getattr(pl_module, "checkpointing_modes", ())]
+    if unknown:
+        raise ValueError(f"The calibration from {source} was profiled with activation checkpointing {unknown[0]!r}, "
+                         f"which {type(pl_module).__name__} does not support. Profile again (`force=True`).")
+    if auto:
+        pl_module.set_checkpointing(modes[0])  # the batches switch it per bucket (on_train_batch_start)
+    elif modes != [current]:
+        rank_zero_warn(f"{_NAME}: the calibration from {source} was profiled with activation checkpointing "
+                       f"{' / '.join(modes)}, but the module uses {current!r}; its timings may not match.")

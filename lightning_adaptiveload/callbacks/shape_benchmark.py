@@ -14,13 +14,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_adaptiveload.bucketing.buckets import count_buckets
 from lightning_adaptiveload.calibration import derive, record
 from lightning_adaptiveload.calibration.calibrate import (
     ProfileSettings,
@@ -29,7 +27,14 @@ from lightning_adaptiveload.calibration.calibrate import (
     key_diff,
 )
 from lightning_adaptiveload.calibration.profile import is_out_of_memory
-from lightning_adaptiveload.callbacks._trainee import calibration_key, lightning_trainee
+from lightning_adaptiveload.callbacks._trainee import (
+    apply_checkpointing,
+    calibration_key,
+    corpus,
+    lightning_trainee,
+    sampler_settings,
+    samples_of,
+)
 from lightning_adaptiveload.models.protocol import check_module
 from lightning_adaptiveload.reporting import plot_calibration, print_calibration
 
@@ -200,13 +205,13 @@ class ShapeBenchmarkCallback(Callback):
         # Read before anything sets a mode, so a calibration applied later (a late-restoring strategy's
         # checkpoint) still gives the per-bucket modes.
         self._auto_checkpointing = getattr(pl_module, "checkpointing", None) == "auto"
-        grids, counts = self._buckets(trainer)
+        grids, counts = corpus(trainer)
         result = calibrate(
             grids, counts, self.settings, lambda: lightning_trainee(trainer, pl_module, self._auto_checkpointing),
             key=calibration_key(trainer, pl_module, self.settings, grids, PROFILE_VERSION), pinned=self.calibration_path,
             restored=None if self.force else self._restored, cache_dir=self.cache_dir, force=self.force,
             is_global_zero=trainer.is_global_zero, broadcast=trainer.strategy.broadcast,
-            world_size=trainer.world_size, **self._sampler_settings(trainer), samples=self._samples(trainer),
+            world_size=trainer.world_size, **sampler_settings(trainer), samples=samples_of(trainer),
             say=lambda line: rank_zero_info(f"{_NAME}: {line}"), warn=lambda line: rank_zero_warn(f"{_NAME}: {line}"))
         self.profiled = result.profiled
         self._apply(trainer, pl_module, result.calibration, result.derivation, result.source)
@@ -227,10 +232,10 @@ class ShapeBenchmarkCallback(Callback):
             return
         rank_zero_info(f"{_NAME}: this strategy restores checkpoints after `on_fit_start`; using the checkpoint's "
                        "calibration so the resumed bucket plan matches. Set `cache_dir` to skip profiling on resume.")
-        grids, counts = self._buckets(trainer)
+        grids, counts = corpus(trainer)
         derivation = derive_for(restored, grids, counts, self.settings, derived=state.get("derived"),
-                                world_size=trainer.world_size, **self._sampler_settings(trainer),
-                                samples=self._samples(trainer))
+                                world_size=trainer.world_size, **sampler_settings(trainer),
+                                samples=samples_of(trainer))
         self._apply(trainer, pl_module, restored, derivation, "checkpoint")
 
     @override
@@ -282,20 +287,10 @@ class ShapeBenchmarkCallback(Callback):
         if state is not None and not self._fit_started:
             self._restored = state
 
-    # ------------------------------------------------------------------ the conductor's inputs
-    def _sampler_settings(self, trainer: Trainer) -> dict[str, Any]:
-        dm = trainer.datamodule
-        # With sequence parallelism the planner trains a sample too long for one rank on a group of k ranks,
-        # so only samples above the largest usable k times the memory budget are oversize.
-        sp = getattr(dm, "sp_config", None)
-        sp_degree = max(sp.usable_degrees(trainer.world_size), default=1) if sp is not None else 1
-        return {"balance": getattr(dm, "balance", "cost"), "seed": int(getattr(dm, "seed", 0) or 0),
-                "oversize": getattr(getattr(dm, "policy", None), "oversize", "error"), "sp_degree": sp_degree}
-
     # ------------------------------------------------------------------ applying a calibration
     def _apply(self, trainer: Trainer, pl_module: LightningModule, cal: record.Calibration,
                derivation: derive.Derivation, source: str) -> None:
-        self._apply_checkpointing(pl_module, cal, derivation, source)
+        apply_checkpointing(pl_module, derivation, source, self._auto_checkpointing)
         dm = trainer.datamodule
         dm.set_cost_model(derivation.cost_model or cal.cost_model)
         dm.set_policy(derivation.policy)
@@ -319,41 +314,6 @@ class ShapeBenchmarkCallback(Callback):
             out["derived"] = derivation.to_dict()
             (save_dir / "shape_benchmark.json").write_text(json.dumps(out, indent=2, sort_keys=True))
             plot_calibration(cal, save_dir / "shape_benchmark.png")
-
-    def _apply_checkpointing(self, pl_module: LightningModule, cal: record.Calibration,
-                             derivation: derive.Derivation, source: str) -> None:
-        """Give an ``"auto"`` module the mode(s) its calibration was profiled with (cache, file, checkpoint)."""
-        current = getattr(pl_module, "checkpointing", None)
-        if current is None:
-            return
-        modes = [t["mode"] for t in derivation.tiers]
-        if not modes:
-            if self._auto_checkpointing:
-                rank_zero_warn(f"{_NAME}: the calibration from {source} does not record activation-checkpointing "
-                               "modes; training with 'full'. Profile again (`force=True`) to choose them per bucket.")
-                pl_module.set_checkpointing("full")
-            return
-        unknown = [m for m in modes if m not in getattr(pl_module, "checkpointing_modes", ())]
-        if unknown:
-            raise ValueError(f"The calibration from {source} was profiled with activation checkpointing {unknown[0]!r}, "
-                             f"which {type(pl_module).__name__} does not support. Profile again (`force=True`).")
-        if self._auto_checkpointing:
-            pl_module.set_checkpointing(modes[0])  # the batches switch it per bucket (on_train_batch_start)
-        elif modes != [current]:
-            rank_zero_warn(f"{_NAME}: the calibration from {source} was profiled with activation checkpointing "
-                           f"{' / '.join(modes)}, but the module uses {current!r}; its timings may not match.")
-
-    def _buckets(self, trainer: Trainer) -> tuple[np.ndarray, np.ndarray]:
-        """The dataset's distinct token grids and their sample counts (calibration needs no more)."""
-        grids = np.asarray(trainer.datamodule.dataset.token_grids())
-        if len(grids) == 0:
-            raise MisconfigurationException(f"{_NAME}: the dataset has no samples to profile.")
-        return count_buckets(grids)
-
-    def _samples(self, trainer: Trainer) -> tuple[np.ndarray, Any]:
-        """Every sample's token grid and the dataset's ``sample_label`` (oversize errors name the sample)."""
-        dataset = trainer.datamodule.dataset
-        return np.asarray(dataset.token_grids()), getattr(dataset, "sample_label", None)
 
     def _resolve_save_dir(self, trainer: Trainer) -> Path:
         if self.save_dir is not None:
