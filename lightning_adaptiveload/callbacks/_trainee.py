@@ -175,14 +175,15 @@ def _clear_grads(trainer: Trainer, pl_module: LightningModule) -> None:
 
 
 # ---------------------------------------------------------------------- the conductor's other inputs
-_NAME = "`ShapeBenchmarkCallback`"
+#: How messages name the callback these helpers serve.
+CALLBACK_NAME = "`ShapeBenchmarkCallback`"
 
 
 def corpus(trainer: Trainer) -> tuple[np.ndarray, np.ndarray]:
     """The dataset's distinct token grids and their sample counts (calibration needs no more)."""
     grids = np.asarray(trainer.datamodule.dataset.token_grids())
     if len(grids) == 0:
-        raise MisconfigurationException(f"{_NAME}: the dataset has no samples to profile.")
+        raise MisconfigurationException(f"{CALLBACK_NAME}: the dataset has no samples to profile.")
     return count_buckets(grids)
 
 
@@ -217,7 +218,7 @@ def apply_checkpointing(pl_module: LightningModule, derivation: derive.Derivatio
     modes = [t["mode"] for t in derivation.tiers]
     if not modes:
         if auto:
-            rank_zero_warn(f"{_NAME}: the calibration from {source} does not record activation-checkpointing "
+            rank_zero_warn(f"{CALLBACK_NAME}: the calibration from {source} does not record activation-checkpointing "
                            "modes; training with 'full'. Profile again (`force=True`) to choose them per bucket.")
             pl_module.set_checkpointing("full")
         return
@@ -228,5 +229,5 @@ def apply_checkpointing(pl_module: LightningModule, derivation: derive.Derivatio
     if auto:
         pl_module.set_checkpointing(modes[0])  # the batches switch it per bucket (on_train_batch_start)
     elif modes != [current]:
-        rank_zero_warn(f"{_NAME}: the calibration from {source} was profiled with activation checkpointing "
+        rank_zero_warn(f"{CALLBACK_NAME}: the calibration from {source} was profiled with activation checkpointing "
                        f"{' / '.join(modes)}, but the module uses {current!r}; its timings may not match.")

@@ -28,6 +28,7 @@ from lightning_adaptiveload.calibration.calibrate import (
 )
 from lightning_adaptiveload.calibration.profile import is_out_of_memory
 from lightning_adaptiveload.callbacks._trainee import (
+    CALLBACK_NAME,
     apply_checkpointing,
     calibration_key,
     corpus,
@@ -39,7 +40,7 @@ from lightning_adaptiveload.models.protocol import check_module
 from lightning_adaptiveload.reporting import plot_calibration, print_calibration
 
 _STATE_VERSION = 2
-_NAME = "`ShapeBenchmarkCallback`"
+_NAME = CALLBACK_NAME
 
 #: How profiling chooses shapes and what its memory model holds; part of the calibration key, so a
 #: calibration from an earlier profiler is profiled again rather than reused. 3: activation
