@@ -31,6 +31,7 @@ each processing 1/k of its tokens: each of them counts 1/k of the batch's tokens
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -145,10 +146,13 @@ class BalanceMonitor(Callback):
             allocator and cuDNN warm-up).
         peak_tflops: the device's peak for MFU; ``None``: dense bf16 of known GPUs
             (Lightning's ``get_available_flops``; the H200, which it lacks, at 989), no MFU elsewhere.
+        history_steps: how many of the last counted steps :attr:`history` keeps (every rank holds all
+            ranks' rows of each, so an unbounded history grows with steps × ranks); 0 keeps none. The
+            run means never depend on it.
 
     Raises:
         ValueError: a non-positive ``log_every_n_steps``, ``p`` or ``peak_tflops``, or a negative
-            ``warmup_steps``.
+            ``warmup_steps`` or ``history_steps``.
 
     Example::
 
@@ -168,6 +172,7 @@ class BalanceMonitor(Callback):
         print_report: bool = True,
         warmup_steps: int = 0,
         peak_tflops: float | None = None,
+        history_steps: int = 10_000,
     ) -> None:
         if not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
             raise ValueError(
@@ -177,6 +182,8 @@ class BalanceMonitor(Callback):
             raise ValueError(f"`BalanceMonitor(p={p!r})` is not valid. Expected a positive number.")
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"`BalanceMonitor(warmup_steps={warmup_steps!r})` is not valid. Expected an integer >= 0.")
+        if isinstance(history_steps, bool) or not isinstance(history_steps, int) or history_steps < 0:
+            raise ValueError(f"`BalanceMonitor(history_steps={history_steps!r})` is not valid. Expected an integer >= 0.")
         if peak_tflops is not None and not peak_tflops > 0:
             raise ValueError(f"`BalanceMonitor(peak_tflops={peak_tflops!r})` is not valid. Expected TFLOP/s > 0.")
         self.log_every_n_steps = log_every_n_steps
@@ -186,8 +193,10 @@ class BalanceMonitor(Callback):
         self._peak_tflops: float | None = peak_tflops
         self._active_cost_model: CostPredictor | None = cost_model
         self._seen = 0
-        #: Per-step rows ``[ranks, fields]`` of every step after the warm-up (for benchmarks; columns: :attr:`FIELDS`).
-        self.history: list[np.ndarray] = []
+        self.history_steps = history_steps
+        #: Per-step rows ``[ranks, fields]`` of the last ``history_steps`` steps after the warm-up (for
+        #: benchmarks; columns: :attr:`FIELDS`).
+        self.history: deque[np.ndarray] = deque(maxlen=history_steps)
         self.p = float(p)
         self.synchronize = synchronize
         self.print_report = print_report
@@ -207,7 +216,7 @@ class BalanceMonitor(Callback):
         self._reset_totals(0)
 
     def _reset_totals(self, world_size: int) -> None:
-        self.history = []
+        self.history = deque(maxlen=self.history_steps)
         self._per_rank_sum = np.zeros((world_size, len(_FIELDS)))
         self._peak = np.zeros(world_size)
         self._metric_sums: dict[str, float] = {}

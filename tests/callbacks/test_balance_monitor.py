@@ -124,7 +124,9 @@ def test_report_gives_the_gpu_clock_or_why_it_is_missing(tmp_path, monkeypatch, 
     assert "nvidia-ml-py" in out
 
 
-@pytest.mark.parametrize("kwargs, msg", [({"log_every_n_steps": 0}, "log_every_n_steps=0"), ({"p": -1}, "p=-1")])
+@pytest.mark.parametrize("kwargs, msg", [({"log_every_n_steps": 0}, "log_every_n_steps=0"), ({"p": -1}, "p=-1"),
+                                         ({"history_steps": -1}, "history_steps=-1"),
+                                         ({"history_steps": True}, "history_steps=True")])
 def test_invalid_arguments(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
         BalanceMonitor(**kwargs)
@@ -417,3 +419,15 @@ def test_clock_and_power_read_the_gpu():
     except ModuleNotFoundError as err:  # torch.cuda.clock_rate needs nvidia-ml-py
         pytest.skip(f"no NVML bindings: {err}")
     assert 100.0 < clock < 5000.0 and 10.0 < power < 2000.0
+
+
+def test_history_keeps_the_last_steps_and_the_means_all_of_them():
+    monitor = BalanceMonitor(history_steps=2)
+    nan = float("nan")
+    for t in (1.0, 2.0, 3.0, 4.0):
+        monitor._accumulate(np.array([[t, t, t, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan]]))
+    assert [row[0][0] for row in monitor.history] == [3.0, 4.0]
+    assert monitor.summary()["steps"] == 4.0 and monitor.summary()["tokens_per_s"] == pytest.approx(40.0 / 10.0)
+    none = BalanceMonitor(history_steps=0)
+    none._accumulate(np.array([[1.0, 1.0, 1.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan]]))
+    assert len(none.history) == 0 and none.summary()["steps"] == 1.0
