@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import InitVar, dataclass, field
@@ -31,6 +30,7 @@ import numpy as np
 
 import lightning_adaptiveload.calibration.derive as derive
 import lightning_adaptiveload.calibration.record as record
+from lightning_adaptiveload._checks import check_choice, check_positive
 from lightning_adaptiveload.bucketing.sampler import oversize_error
 from lightning_adaptiveload.calibration.costmodel import FORMS
 from lightning_adaptiveload.calibration.profile import (
@@ -73,43 +73,29 @@ class ProfileSettings:
     owner: InitVar[str] = "ProfileSettings"
 
     def __post_init__(self, owner: str) -> None:
-        def bad(name: str, expected: str) -> ValueError:
-            return ValueError(f"`{owner}({name}={getattr(self, name)!r})` is not valid. Expected {expected}.")
-
         def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
 
         if self.batch_sizes is not None:
             sizes = list(self.batch_sizes)
-            if not sizes or any(isinstance(b, bool) or int(b) != b or b < 1 for b in sizes):
-                raise bad("batch_sizes", "a non-empty list of positive integers, or None")
-            put("batch_sizes", sorted({int(b) for b in sizes}))
-        for name, low in (("max_shapes", 1), ("repeats", 1), ("warmup", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or int(value) != value or value < low:
-                raise bad(name, f"an integer >= {low}")
-            put(name, int(value))
+            if not sizes:
+                raise ValueError(f"`{owner}(batch_sizes=[])` is not valid. Expected positive integers, or None.")
+            put("batch_sizes", sorted({int(check_positive(owner, "batch_sizes", b, integer=True)) for b in sizes}))
+        for name in ("max_shapes", "repeats"):
+            put(name, int(check_positive(owner, name, getattr(self, name), integer=True)))
+        put("warmup", int(check_positive(owner, "warmup", self.warmup, integer=True, zero=True)))
         for name in ("time_budget_s", "shape_time_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0):
-                raise bad(name, "seconds > 0")
-            put(name, float(value))
+            put(name, check_positive(owner, name, getattr(self, name)))
+        if self.step_budget_s is not None:
+            put("step_budget_s", check_positive(owner, "step_budget_s", self.step_budget_s))
+        if self.m_mem is not None:
+            put("m_mem", int(check_positive(owner, "m_mem", self.m_mem, integer=True)))
         for name in ("stable_rel", "converge_rel", "memory_margin"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0 <= value < 1):
-                raise bad(name, "a fraction in [0, 1)")
+            if check_positive(owner, name, value, zero=True) >= 1:
+                raise ValueError(f"`{owner}({name}={value!r})` is not valid. Expected a fraction in [0, 1).")
             put(name, float(value))
-        if self.form not in (*FORMS, "auto"):
-            raise bad("form", f"one of {(*FORMS, 'auto')}")
-        budget = self.step_budget_s
-        if budget is not None and (isinstance(budget, bool) or not (isinstance(budget, (int, float))
-                                                                   and math.isfinite(budget) and budget > 0)):
-            raise bad("step_budget_s", "seconds > 0 or None")
-        m_mem = self.m_mem
-        if m_mem is not None:
-            if isinstance(m_mem, bool) or int(m_mem) != m_mem or m_mem < 1:
-                raise bad("m_mem", "a positive token count or None")
-            put("m_mem", int(m_mem))
+        check_choice(owner, "form", self.form, (*FORMS, "auto"))
 
 
 @dataclass

@@ -19,13 +19,15 @@ def test_settings_are_normalised_and_owner_is_not_a_field():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"batch_sizes": [1, 0]}, r"`ProfileSettings\(batch_sizes=\[1, 0\]\)` is not valid. Expected a non-empty list"),
-        ({"warmup": True}, r"warmup=True.*an integer >= 0"),
-        ({"stable_rel": 1.0}, r"stable_rel=1.0.*a fraction in \[0, 1\)"),
-        ({"converge_rel": -0.1}, r"converge_rel=-0.1.*a fraction"),
-        ({"time_budget_s": float("nan")}, r"time_budget_s=nan.*seconds > 0"),
-        ({"step_budget_s": float("inf")}, r"step_budget_s=inf.*seconds > 0 or None"),
-        ({"m_mem": 0}, r"m_mem=0.*a positive token count"),
+        ({"batch_sizes": []}, r"`ProfileSettings\(batch_sizes=\[\]\)` is not valid. Expected positive integers"),
+        ({"batch_sizes": [1, 0]}, r"`ProfileSettings\(batch_sizes=0\)` is not valid. Expected a positive integer"),
+        ({"warmup": True}, r"`ProfileSettings\(warmup=True\)` is not valid. Expected a non-negative integer"),
+        ({"max_shapes": 2.5}, r"`ProfileSettings\(max_shapes=2.5\)` is not valid. Expected a positive integer"),
+        ({"stable_rel": 1.0}, r"`ProfileSettings\(stable_rel=1.0\)` is not valid. Expected a fraction in \[0, 1\)"),
+        ({"converge_rel": -0.1}, r"converge_rel=-0.1.*Expected a non-negative finite number"),
+        ({"time_budget_s": float("nan")}, r"time_budget_s=nan.*Expected a positive finite number"),
+        ({"step_budget_s": float("inf")}, r"step_budget_s=inf.*Expected a positive finite number"),
+        ({"m_mem": 0}, r"m_mem=0.*Expected a positive integer"),
         ({"form": "linear"}, r"form='linear'.*one of \('power', 'quadratic', 'saturating', 'auto'\)"),
     ],
 )
