@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +118,17 @@ def calibration_table(calibration: Any, derivation: Any, source: str) -> Table:
 def print_calibration(calibration: Any, derivation: Any, source: str, console: Console | None = None) -> None:
     """Print :func:`calibration_table` on rank zero."""
     (console or _console()).print(calibration_table(calibration, derivation, source))
+
+
+def save_calibration(calibration: Any, derivation: Any, save_dir: str | Path) -> None:
+    """Write ``shape_benchmark.json`` (the calibration and the derivation; a pinnable calibration file) and
+    ``shape_benchmark.png`` (:func:`plot_calibration`) to ``save_dir``."""
+    save_dir = Path(save_dir)
+    save_dir.mkdir(parents=True, exist_ok=True)
+    out = calibration.to_dict()
+    out["derived"] = derivation.to_dict()
+    (save_dir / "shape_benchmark.json").write_text(json.dumps(out, indent=2, sort_keys=True))
+    plot_calibration(calibration, save_dir / "shape_benchmark.png")
 
 
 def plot_calibration(calibration: Any, path: str | Path) -> None:

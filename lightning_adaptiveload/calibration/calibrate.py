@@ -44,7 +44,13 @@ from lightning_adaptiveload.calibration.profile import (
     profile,
 )
 
-__all__ = ["CalibrationResult", "ProfileSettings", "Trainee", "calibrate", "check_oversize", "profile_modes"]
+__all__ = [
+    "CalibrationResult", "ProfileSettings", "Trainee", "calibrate", "check_oversize", "checkpoint_state", "metrics",
+    "out_of_memory_advice", "profile_modes", "read_checkpoint_state",
+]
+
+#: Version of :func:`checkpoint_state`; a state of another version is ignored (the run profiles or reads the cache).
+STATE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -394,6 +400,52 @@ def _measure_longest_fit(grids: np.ndarray, meas: list[Measurement], run: Callab
         if not derive.fits_at_one(extra[-1], limit):
             break
     return extra
+
+
+def checkpoint_state(cal: record.Calibration | None, derivation: derive.Derivation | None) -> dict[str, Any]:
+    """What a checkpoint keeps so that a resumed run derives the same policy: the calibration and the
+    budgets it was derived with (``calibrate(restored=...)`` and :func:`derive_for` read it back)."""
+    state: dict[str, Any] = {"version": STATE_VERSION}
+    if cal is not None and derivation is not None:
+        derived: dict[str, Any] = {"m_mem": derivation.m_mem, "step_budget_s": derivation.step_budget_s}
+        if derivation.tiers:
+            derived["tier_m_mem"] = [t["m_mem"] for t in derivation.tiers]
+        state.update(calibration=cal.to_json(), derived=derived)
+    return state
+
+
+def read_checkpoint_state(state: Any) -> dict[str, Any] | None:
+    """A :func:`checkpoint_state`, or ``None`` (absent, of another version, or without a calibration)."""
+    if not isinstance(state, dict) or state.get("version") != STATE_VERSION or not state.get("calibration"):
+        return None
+    return state
+
+
+def metrics(cal: record.Calibration, derivation: derive.Derivation) -> dict[str, float]:
+    """The constants a run logs: budgets, the fitted parameters and their quality, predicted tokens/s."""
+    out = {"m_mem": float(derivation.m_mem), "step_budget_s": derivation.step_budget_s, **cal.cost_model.params,
+           "profile_seconds": cal.profile_seconds, "predicted_tokens_per_s": derivation.predicted["tokens_per_s"],
+           "baseline_tokens_per_s": derivation.baseline["tokens_per_s"]}
+    out.update({f"quality/{k}": v for k, v in cal.cost_model.quality.items()})
+    return out
+
+
+def out_of_memory_advice(cal: record.Calibration, derivation: derive.Derivation | None, batch_size: int,
+                         seq_len: int, memory_margin: float) -> str:
+    """Why a training batch of ``batch_size`` × ``seq_len`` that ran out of memory was planned, and what to change."""
+    mode = derivation.mode_for(seq_len) if derivation is not None else None
+    tiers = derive.tiers_from_record(cal.extra) or []
+    model = next((t.memory_model for t in tiers if t.mode == mode and t.memory_model is not None), cal.memory_model)
+    predicted = ""
+    if model is not None and cal.device_memory:
+        peak = float(model.predict(batch_size, seq_len)) + cal.optimizer_bytes
+        predicted = (f"; the calibration's memory model{f' of {mode!r}' if mode else ''} predicted "
+                     f"{peak / 2**30:.1f} GiB of {cal.device_memory / 2**30:.1f} GiB for it")
+    return (f"ran out of memory on a B={batch_size} S={seq_len:,} batch{predicted}. Raise the margin "
+            f"(ShapeBenchmarkCallback(memory_margin={memory_margin}), e.g. to {min(0.9, memory_margin + 0.1):.1f}) "
+            "to get smaller batches, and if the error reports much memory 'reserved but unallocated', use "
+            "PYTORCH_ALLOC_CONF=expandable_segments:True (adaptiveload-train sets it unless the environment has a "
+            "setting).")
 
 
 def key_diff(a: dict[str, Any], b: dict[str, Any]) -> str:

@@ -5,9 +5,11 @@ sampler settings, the checkpointing modes applied to the module). Private to
 
 from __future__ import annotations
 
+import os
 import platform
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,6 +24,7 @@ from lightning_adaptiveload.calibration import derive, record
 from lightning_adaptiveload.calibration.calibrate import ProfileSettings, Trainee
 from lightning_adaptiveload.calibration.profile import MemoryProbe, plan_grid
 from lightning_adaptiveload.models.compiling import compile_seconds
+from lightning_adaptiveload.models.protocol import check_module
 
 
 class _StrategyCollectives:
@@ -177,6 +180,34 @@ def _clear_grads(trainer: Trainer, pl_module: LightningModule) -> None:
 # ---------------------------------------------------------------------- the conductor's other inputs
 #: How messages name the callback these helpers serve.
 CALLBACK_NAME = "`ShapeBenchmarkCallback`"
+
+
+def check_fit(trainer: Trainer, pl_module: LightningModule) -> None:
+    """The module and the DataModule provide what calibration needs.
+
+    Raises:
+        MisconfigurationException: naming what is missing.
+    """
+    # batch_shape is optional: with it, every synthetic batch is checked against its grid.
+    check_module(pl_module, ("compute_loss", "synthetic_batch"), who=CALLBACK_NAME)
+    dm = trainer.datamodule
+    dataset = getattr(dm, "dataset", None)
+    if (
+        dm is None
+        or not callable(getattr(dataset, "token_grids", None))
+        or not callable(getattr(dm, "set_policy", None))
+        or not callable(getattr(dm, "set_cost_model", None))
+    ):
+        raise MisconfigurationException(
+            f"{CALLBACK_NAME} needs `trainer.fit(..., datamodule=dm)` with `dm.dataset.token_grids()`, "
+            f"`dm.set_policy` and `dm.set_cost_model` (see AdaptiveLoadDataModule); got {type(dm).__name__}."
+        )
+
+
+def log_dir(trainer: Trainer) -> Path:
+    """The run's log directory (``trainer.log_dir``, else ``default_root_dir``)."""
+    found = trainer.log_dir
+    return Path(found if isinstance(found, (str, os.PathLike)) else trainer.default_root_dir)
 
 
 def corpus(trainer: Trainer) -> tuple[np.ndarray, np.ndarray]:

@@ -8,13 +8,11 @@ switches the activation-checkpointing mode per batch, and checkpoints, logs and 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
@@ -23,23 +21,27 @@ from lightning_adaptiveload.calibration import derive, record
 from lightning_adaptiveload.calibration.calibrate import (
     ProfileSettings,
     calibrate,
+    checkpoint_state,
     derive_for,
     key_diff,
+    metrics,
+    out_of_memory_advice,
+    read_checkpoint_state,
 )
 from lightning_adaptiveload.calibration.profile import is_out_of_memory
 from lightning_adaptiveload.callbacks._trainee import (
     CALLBACK_NAME,
     apply_checkpointing,
     calibration_key,
+    check_fit,
     corpus,
     lightning_trainee,
+    log_dir,
     sampler_settings,
     samples_of,
 )
-from lightning_adaptiveload.models.protocol import check_module
-from lightning_adaptiveload.reporting import plot_calibration, print_calibration
+from lightning_adaptiveload.reporting import print_calibration, save_calibration
 
-_STATE_VERSION = 2
 _NAME = CALLBACK_NAME
 
 #: How profiling chooses shapes and what its memory model holds; part of the calibration key, so a
@@ -52,32 +54,20 @@ PROFILE_VERSION = 3
 class ShapeBenchmarkCallback(Callback):
     """Profiles step latency over the dataset's shapes and sets the DataModule's batch-size policy.
 
-    In ``on_fit_start`` — after the strategy has wrapped the model, before the train dataloader
-    exists — it times forward + backward of ``pl_module.compute_loss(pl_module.synthetic_batch(B, grid,
-    device))`` through the live strategy over a grid of (B, token grid) shapes taken from the dataset,
-    fits the cost and memory models and derives ``M_mem``, the step budget and the policy
-    (:mod:`lightning_adaptiveload.calibration`). It then calls ``datamodule.set_cost_model`` and
-    ``datamodule.set_policy``, prints the fit and the predicted gain over equal-token batches, logs the
-    constants and writes ``shape_benchmark.json`` and ``shape_benchmark.png`` to ``save_dir``.
+    In ``on_fit_start`` (after the strategy has wrapped the model, before the train dataloader exists)
+    it hands :func:`~lightning_adaptiveload.calibration.calibrate.calibrate` the live strategy's step,
+    ``pl_module.compute_loss(pl_module.synthetic_batch(B, grid, device))`` forward + backward, then calls
+    ``datamodule.set_cost_model`` / ``set_policy``, prints the fit, logs the constants and writes
+    ``shape_benchmark.json`` and ``shape_benchmark.png`` to ``save_dir``. Compile time is never timed;
+    profiling leaves no trace (weights, gradients, buffers, modes, RNG states).
 
-    **Activation checkpointing per bucket.** A module whose ``checkpointing`` is ``"auto"`` (it also
-    provides ``checkpointing_modes``, least recomputation first, and ``set_checkpointing``) is profiled
-    in ``none`` first; the sequence lengths that do not fit one device that way are profiled in the next
-    mode, and so on. Each mode trains the buckets it was measured to fit (a column of the bucket plan),
-    with its own memory budget and step cost; before every training batch this callback sets the mode
-    of the batch's bucket (compiled blocks compile one graph set per mode, once). The tiers are part of
-    the calibration record, so a cached, pinned or resumed calibration re-applies them. A module with a
-    fixed mode is profiled and trained in that mode.
-
-    Compile time is never timed, and profiling leaves no trace: the optimizer never steps, gradients
-    are set to ``None``, buffers and train/eval modes are restored, and the RNG states are restored.
-
-    Where the calibration comes from, first match wins: ``calibration=`` (a file, pinned); the
-    checkpoint being resumed (its budgets are applied as they were); ``cache_dir`` (keyed by what
-    determines a step's cost: the model's architecture and ``calibration_key()``, device, precision,
-    strategy, form, profiled grid and checkpointing setting — not the world size, learning rate or
-    paths); else a fresh profile. The key does not see kernels swapped in by other callbacks: use
-    ``force=True`` after such a change.
+    A module whose ``checkpointing`` is ``"auto"`` gets its activation-checkpointing mode per bucket:
+    profiled in ``none`` first, the lengths that do not fit in the next mode; before every training
+    batch this callback sets the mode of the batch's bucket (compiled blocks compile each mode once).
+    The calibration comes from, first match wins: ``calibration=`` (pinned), the checkpoint being
+    resumed (its budgets as they were), ``cache_dir`` (keyed by what determines a step's cost, not the
+    world size), a fresh profile. The key does not see kernels swapped in by other callbacks: use
+    ``force=True`` after such a change. Details: ``docs/components.md`` (Calibration).
 
     Args:
         batch_sizes: Batch sizes to try at every sequence length. ``None``: B = 1 and the largest that
@@ -146,8 +136,6 @@ class ShapeBenchmarkCallback(Callback):
         self.force = force
         self.save_dir = None if save_dir is None else Path(save_dir)
         self.enabled = enabled
-        # The calibration in use and the budgets its policy was derived with (the checkpoint state).
-        self._state: dict[str, Any] | None = None
         self._restored: dict[str, Any] | None = None
         self._fit_started = False
         self._auto_checkpointing = False
@@ -182,20 +170,7 @@ class ShapeBenchmarkCallback(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit" or not self.enabled:
             return
-        # batch_shape is optional here: with it, every synthetic batch is checked against its grid.
-        check_module(pl_module, ("compute_loss", "synthetic_batch"), who=_NAME)
-        dm = trainer.datamodule
-        dataset = getattr(dm, "dataset", None)
-        if (
-            dm is None
-            or not callable(getattr(dataset, "token_grids", None))
-            or not callable(getattr(dm, "set_policy", None))
-            or not callable(getattr(dm, "set_cost_model", None))
-        ):
-            raise MisconfigurationException(
-                f"{_NAME} needs `trainer.fit(..., datamodule=dm)` with `dm.dataset.token_grids()`, "
-                f"`dm.set_policy` and `dm.set_cost_model` (see AdaptiveLoadDataModule); got {type(dm).__name__}."
-            )
+        check_fit(trainer, pl_module)
         self._fit_started = False
 
     @override
@@ -223,8 +198,8 @@ class ShapeBenchmarkCallback(Callback):
         # on_fit_start; the others restore first and go through load_state_dict → on_fit_start.
         if not (self.enabled and self._fit_started) or self.force or self.calibration_path is not None:
             return
-        state = _read_state((checkpoint.get("callbacks") or {}).get(self.state_key))
-        if state is None or state == self._state:
+        state = read_checkpoint_state((checkpoint.get("callbacks") or {}).get(self.state_key))
+        if state is None or state == checkpoint_state(self.calibration, self.derivation):
             return
         restored = record.Calibration.from_json(state["calibration"], source="the checkpoint")
         if self.calibration is not None and restored.key != self.calibration.key:
@@ -260,31 +235,16 @@ class ShapeBenchmarkCallback(Callback):
         if not (self.enabled and last and cal is not None and trainer.training and is_out_of_memory(exception)):
             return
         step, b, s = last
-        predicted = ""
-        model = cal.memory_model
-        tiers = derive.tiers_from_record(cal.extra) or []
-        mode = self.derivation.mode_for(s) if self.derivation is not None else None
-        model = next((t.memory_model for t in tiers if t.mode == mode and t.memory_model is not None), model)
-        if model is not None and cal.device_memory:
-            peak = float(model.predict(b, s)) + cal.optimizer_bytes
-            predicted = (f"; the calibration's memory model{f' of {mode!r}' if mode else ''} predicted "
-                         f"{peak / 2**30:.1f} GiB of {cal.device_memory / 2**30:.1f} GiB for it")
-        margin = self.settings.memory_margin
-        rank_zero_warn(
-            f"{_NAME}: training step {step} ran out of memory on a B={b} S={s:,} batch{predicted}. Raise the margin "
-            f"(ShapeBenchmarkCallback(memory_margin={margin}), e.g. to {min(0.9, margin + 0.1):.1f}) to get smaller "
-            "batches, and if the error reports much memory 'reserved but unallocated', use "
-            "PYTORCH_ALLOC_CONF=expandable_segments:True (adaptiveload-train sets it unless the environment "
-            "has a setting)."
-        )
+        advice = out_of_memory_advice(cal, self.derivation, b, s, self.settings.memory_margin)
+        rank_zero_warn(f"{_NAME}: training step {step} {advice}")
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"version": _STATE_VERSION, **(self._state or {})}
+        return checkpoint_state(self.calibration, self.derivation)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = _read_state(state_dict)
+        state = read_checkpoint_state(state_dict)
         if state is not None and not self._fit_started:
             self._restored = state
 
@@ -296,35 +256,9 @@ class ShapeBenchmarkCallback(Callback):
         dm.set_cost_model(derivation.cost_model or cal.cost_model)
         dm.set_policy(derivation.policy)
         self.calibration, self.derivation, self.source = cal, derivation, source
-        derived = {"m_mem": derivation.m_mem, "step_budget_s": derivation.step_budget_s}
-        if derivation.tiers:
-            derived["tier_m_mem"] = [t["m_mem"] for t in derivation.tiers]
-        self._state = {"calibration": cal.to_json(), "derived": derived}
-        constants = {"m_mem": float(derivation.m_mem), "step_budget_s": derivation.step_budget_s,
-                     **cal.cost_model.params, "profile_seconds": cal.profile_seconds,
-                     "predicted_tokens_per_s": derivation.predicted["tokens_per_s"],
-                     "baseline_tokens_per_s": derivation.baseline["tokens_per_s"]}
-        constants.update({f"quality/{k}": v for k, v in cal.cost_model.quality.items()})
         for logger in trainer.loggers:
-            logger.log_metrics({f"shape_benchmark/{k}": v for k, v in constants.items()}, step=trainer.global_step)
+            logger.log_metrics({f"shape_benchmark/{k}": v for k, v in metrics(cal, derivation).items()},
+                               step=trainer.global_step)
         if trainer.is_global_zero:
             print_calibration(cal, derivation, source)
-            save_dir = self._resolve_save_dir(trainer)
-            save_dir.mkdir(parents=True, exist_ok=True)
-            out = cal.to_dict()
-            out["derived"] = derivation.to_dict()
-            (save_dir / "shape_benchmark.json").write_text(json.dumps(out, indent=2, sort_keys=True))
-            plot_calibration(cal, save_dir / "shape_benchmark.png")
-
-    def _resolve_save_dir(self, trainer: Trainer) -> Path:
-        if self.save_dir is not None:
-            return self.save_dir
-        log_dir = trainer.log_dir
-        return Path(log_dir if isinstance(log_dir, (str, os.PathLike)) else trainer.default_root_dir)
-
-# ---------------------------------------------------------------------- helpers
-def _read_state(state: Any) -> dict[str, Any] | None:
-    """The callback's checkpoint state, or ``None`` (absent, from an older release, or empty)."""
-    if not isinstance(state, dict) or state.get("version") != _STATE_VERSION or not state.get("calibration"):
-        return None
-    return state
+            save_calibration(cal, derivation, self.save_dir or log_dir(trainer))
