@@ -212,12 +212,15 @@ class _Breakdown:
                 self._sync(pl_module)
                 dt = time.perf_counter() - self._t0
                 b, s = (int(v) for v in pl_module.batch_shape(batch))
+                loss = outputs["loss"] if isinstance(outputs, dict) else outputs
                 row = {"key": f"{b}x{s}", "batch_size": b, "seq_len": s, "seconds": dt,
-                       "compile_s": compile_seconds() - self._c0, "traced": self._trace}
+                       "compile_s": compile_seconds() - self._c0, "traced": self._trace,
+                       "loss": float(loss.detach().float().cpu())}
                 self.seen += 1
                 if self._trace:
                     self.prof.stop()
-                    if row["compile_s"] < 1e-3:
+                    # A step on non-finite values runs faster and cooler than training: not traced, nor timed.
+                    if row["compile_s"] < 1e-3 and math.isfinite(row["loss"]):
                         events = device_events(self.prof, cuda=pl_module.device.type == "cuda")
                         self.traces.setdefault(row["key"], []).append(
                             {"wall_ms": dt * 1e3, **_ms(split_trace(events, dt * 1e6))})
@@ -310,8 +313,8 @@ def summarize(rows, traces, ceils, config, warmup: int, peak_tflops: float) -> d
     out = {}
     for key, traced in traces.items():
         b, s = (int(v) for v in key.split("x"))
-        steady = [r["seconds"] for i, r in enumerate(rows)
-                  if r["key"] == key and i >= warmup and r["compile_s"] < 1e-3 and not r["traced"]]
+        steady = [r["seconds"] for i, r in enumerate(rows) if r["key"] == key and i >= warmup
+                  and r["compile_s"] < 1e-3 and not r["traced"] and math.isfinite(r.get("loss", 0.0))]
         flops = flop_split(config, b, s)
         step_s = statistics.median(steady) if steady else statistics.median(t["wall_ms"] / 1e3 for t in traced)
         groups = {g: statistics.median(t[g] for t in traced) for g in (*GROUPS, "idle")}
@@ -319,6 +322,7 @@ def summarize(rows, traces, ceils, config, warmup: int, peak_tflops: float) -> d
         peak = peak_tflops * 1e12
         entry: dict[str, Any] = {
             "batch_size": b, "seq_len": s, "step_ms": step_s * 1e3, "untraced_steps": len(steady),
+            "nonfinite_loss_steps": sum(r["key"] == key and not math.isfinite(r.get("loss", 0.0)) for r in rows),
             "traced_step_ms": traced_ms, "traced_steps": len(traced),
             "tokens_per_s": b * s / step_s, "mfu": flops["total"] / step_s / peak,
             "group_ms": groups, "group_share": {g: v / traced_ms for g, v in groups.items()},

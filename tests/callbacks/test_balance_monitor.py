@@ -65,8 +65,8 @@ def test_gathered_rows_give_paper_metrics():
     # two ranks: step times 1 s and 3 s, predicted compute 2 and 6, tokens 10 and 30, no FLOPs counted
     # data wait 1 s before rank 0's step and 0.5 s before rank 1's
     # ... SM clocks 1,800 and 1,700 MHz, power 600 and 690 W
-    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 1.0, 0.0, 5.0, 1800.0, 600.0],
-                                  [3.0, 1.5, 6.0, 30.0, 2**30, 0.0, 0.5, 2.0, 1.0, 1700.0, 690.0]]))
+    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 1.0, 0.0, 5.0, 1800.0, 600.0, 1.0],
+                                  [3.0, 1.5, 6.0, 30.0, 2**30, 0.0, 0.5, 2.0, 1.0, 1700.0, 690.0, 1.0]]))
     m = monitor.last_metrics
     assert m["balance/step_time_cv"] == pytest.approx(0.5)
     assert m["balance/forward_time_cv"] == pytest.approx(0.5)
@@ -80,8 +80,8 @@ def test_gathered_rows_give_paper_metrics():
     assert m["balance/alloc_retries"] == 2.0 and m["balance/device_allocs"] == 5.0  # the most on any rank
     # The slowest clock and the highest draw over ranks.
     assert m["balance/sm_clock_mhz"] == 1700.0 and m["balance/power_w"] == 690.0
-    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1900.0, 500.0],
-                                  [3.0, 1.5, 6.0, 30.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1750.0, 650.0]]))
+    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1900.0, 500.0, 1.0],
+                                  [3.0, 1.5, 6.0, 30.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1750.0, 650.0, 1.0]]))
     assert monitor.last_metrics["train/data_wait_frac"] == pytest.approx(0.25)
     # over the run, per rank: rank 0 1 s of 3 s, rank 1 1.5 s of 7.5 s -> the larger
     s = monitor.summary()
@@ -90,8 +90,8 @@ def test_gathered_rows_give_paper_metrics():
     assert s["sm_clock_mhz"] == pytest.approx(1725.0) and s["power_w"] == pytest.approx(670.0)
     # A sample that could not be read (NaN) leaves that step's metric out and the run means unchanged.
     nan = float("nan")
-    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2000.0, 100.0],
-                                  [3.0, 1.5, 6.0, 30.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan]]))
+    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2000.0, 100.0, 1.0],
+                                  [3.0, 1.5, 6.0, 30.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0]]))
     assert "balance/sm_clock_mhz" not in monitor.last_metrics
     s = monitor.summary()
     assert s["sm_clock_mhz"] == pytest.approx(1725.0)  # rank 1 over its 2 samples; rank 0's mean is 1,900
@@ -101,7 +101,7 @@ def test_gathered_rows_give_paper_metrics():
 def test_clock_and_power_are_left_out_when_not_measured():
     monitor = BalanceMonitor()
     nan = float("nan")
-    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan]]))
+    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0]]))
     assert "balance/sm_clock_mhz" not in monitor.last_metrics and "sm_clock_mhz" not in monitor.summary()
 
 
@@ -122,6 +122,29 @@ def test_report_gives_the_gpu_clock_or_why_it_is_missing(tmp_path, monkeypatch, 
     out = " ".join(capsys.readouterr().out.split())
     assert "GPU clock and power: not recorded (ModuleNotFoundError: No module named 'pynvml'" in out
     assert "nvidia-ml-py" in out
+
+
+def test_steps_with_a_nonfinite_loss_are_left_out_and_warned_once(tmp_path, monkeypatch, capsys):
+    _fake_clock(monkeypatch)
+
+    class DivergesAtStep3(TinyModule):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * float("nan") if self.global_step >= 3 else loss
+
+    monitor = BalanceMonitor(log_every_n_steps=1, warmup_steps=1)
+    trainer = Trainer(default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=6, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      callbacks=[monitor])
+    with pytest.warns(UserWarning, match=r"the loss of step 4 is not finite \(rank 0\)") as record:
+        trainer.fit(DivergesAtStep3(), train_dataloaders=_loader())
+    assert sum("not finite" in str(w.message) for w in record) == 1  # once, not every step
+    s = monitor.summary()
+    # Steps 0-5: step 0 is warm-up, steps 3-5 have a NaN loss; steps 1 and 2 are counted.
+    assert s["steps"] == 2 and s["nonfinite_loss_steps"] == 3
+    assert len(monitor.history) == 2 and all(row[0][11] == 1.0 for row in monitor.history)
+    assert sum(row["steps"] for row in monitor.per_shape()) == 2
+    assert "3 step(s) with a non-finite loss left out" in " ".join(capsys.readouterr().out.split())
 
 
 @pytest.mark.parametrize("kwargs, msg", [({"log_every_n_steps": 0}, "log_every_n_steps=0"), ({"p": -1}, "p=-1"),
@@ -382,8 +405,8 @@ def test_epoch_estimate_spreads_the_epoch_over_the_ranks_and_keeps_the_bubble():
     monitor = BalanceMonitor(cost_model=SimpleNamespace(predict=lambda b, s: 1.0))
     # Two ranks, one counted step: 2 s and 4 s (bubble 1 - 3/4), B=1 x S=8 on this rank.
     nan = float("nan")  # no clock or power (CPU)
-    monitor._accumulate(np.array([[2.0, 1.0, 1.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan],
-                                  [4.0, 1.0, 1.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan]]))
+    monitor._accumulate(np.array([[2.0, 1.0, 1.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0],
+                                  [4.0, 1.0, 1.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0]]))
     monitor._shape_sums[(1, 8)] = np.array([1.0, 2.0, 1.0, 0.0])
     e = monitor.epoch_estimate([{"seq_len": 8, "batch_size": 1, "batches": 6},
                                 {"seq_len": 16, "batch_size": 1, "batches": 2, "sp_degree": 2}])
@@ -425,9 +448,9 @@ def test_history_keeps_the_last_steps_and_the_means_all_of_them():
     monitor = BalanceMonitor(history_steps=2)
     nan = float("nan")
     for t in (1.0, 2.0, 3.0, 4.0):
-        monitor._accumulate(np.array([[t, t, t, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan]]))
+        monitor._accumulate(np.array([[t, t, t, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0]]))
     assert [row[0][0] for row in monitor.history] == [3.0, 4.0]
     assert monitor.summary()["steps"] == 4.0 and monitor.summary()["tokens_per_s"] == pytest.approx(40.0 / 10.0)
     none = BalanceMonitor(history_steps=0)
-    none._accumulate(np.array([[1.0, 1.0, 1.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan]]))
+    none._accumulate(np.array([[1.0, 1.0, 1.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0]]))
     assert len(none.history) == 0 and none.summary()["steps"] == 1.0
