@@ -56,6 +56,13 @@ def _parse_shapes(text: str) -> list[tuple[int, tuple[int, int, int]]]:
         if len(parts) != 4 or min(parts) < 1:
             raise SystemExit(f"--shapes item {item!r} is not valid; expected BxFxHxW (batch, token grid), e.g. 1x21x30x52")
         out.append((parts[0], (parts[1], parts[2], parts[3])))
+    lengths = [f * h * w for _, (f, h, w) in out]
+    repeated = sorted({s for s in lengths if lengths.count(s) > 1})
+    if repeated:
+        # bucketing=fixed pins one batch size per sequence length: a second shape of the same S would
+        # silently replace the first.
+        raise SystemExit(f"--shapes has more than one shape with S = {', '.join(f'{s:,}' for s in repeated)} tokens; "
+                         "bucketing=fixed takes one batch size per sequence length")
     return out
 
 

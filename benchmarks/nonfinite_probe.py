@@ -41,6 +41,8 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--accelerator", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--override", action="append", default=[], help="extra Hydra override (repeatable)")
+    p.add_argument("--no-cudnn-attention", action="store_true",
+                   help="turn off cuDNN's SDPA backend (torch.backends.cuda.enable_cudnn_sdp(False))")
     p.add_argument("--out", default=str(RESULTS / "nonfinite_probe.json"), help="JSON result file (record appended)")
     args = p.parse_args(argv)
     if args.setting not in SETTINGS:
@@ -72,7 +74,10 @@ def _probe(names: int, after: int):
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
             norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
-            self._grad = {"grad_norm": norm, "nonfinite_grads": bad(pl_module.named_parameters(), "grad")}
+            per = sorted(((float(p.grad.norm()), n) for n, p in pl_module.named_parameters() if p.grad is not None),
+                         reverse=True)[:names]
+            self._grad = {"grad_norm": norm, "nonfinite_grads": bad(pl_module.named_parameters(), "grad"),
+                          "largest_grads": [[n, v] for v, n in per]}
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             b, s = (int(v) for v in pl_module.batch_shape(batch))
@@ -98,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     configure_cuda_allocator()
     import torch
 
+    if args.no_cudnn_attention:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
     shapes = _parse_shapes(args.shapes)
     out = Path(args.out)
     ov = _overrides(args, args.setting, shapes, args.steps, 0, out.parent / (out.stem + "_runs"))
@@ -107,14 +115,16 @@ def main(argv: list[str] | None = None) -> int:
     run.trainer.fit(run.module, datamodule=run.datamodule)
     result = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        "how": __doc__.split("\n\n")[1].replace("\n", " "), "model": args.model, "shapes": args.shapes,
-                       "setting": args.setting, "overrides": args.override, "seed": args.seed,
+                       "setting": args.setting, "overrides": args.override,
+                       "cudnn_attention": not args.no_cudnn_attention, "seed": args.seed,
                        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                        "torch": torch.__version__},
               "first_nonfinite_step": probe.first_bad, "rows": probe.rows}
     append_record(out, "nonfinite_probe.py", result, run_info())
     for r in probe.rows:
         print(f"step {r['step']:3d} {r['batch_size']}x{r['seq_len']}: loss {r['loss']:.4f} "
-              f"grad norm {r.get('grad_norm', float('nan')):.4g} bad grads {r.get('nonfinite_grads', [])[:3]} "
+              f"grad norm {r.get('grad_norm', float('nan')):.4g} largest {r.get('largest_grads', [])[:3]} "
+              f"bad grads {r.get('nonfinite_grads', [])[:3]} "
               f"bad params {r['nonfinite_params'][:3]}", flush=True)
     print(f"first non-finite step: {probe.first_bad}; appended to {out}")
     return 0

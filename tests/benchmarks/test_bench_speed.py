@@ -44,3 +44,13 @@ def test_per_shape_leaves_out_warmup_and_compiling_steps():
     assert out["steps"] == 2 and out["step_s"] == 3.0 and out["compile_s"] == 4.0 and out["peak_gib"] == 2.0
     # 4 TFLOP a step (2 TFLOP/s for 2 s) over the median 3 s.
     assert abs(out["tflops_per_gpu"] - 4.0 / 3.0) < 1e-12 and abs(out["mfu"] - 4.0 / 300.0) < 1e-12
+
+
+def test_shapes_with_the_same_sequence_length_are_refused():
+    # bucketing=fixed pins one batch size per S: 1x5x30x52 and 2x5x30x52 would train only one of them.
+    import pytest
+
+    bench = load_benchmark("bench_speed")
+    assert bench._parse_shapes("1x5x30x52,2x13x30x52") == [(1, (5, 30, 52)), (2, (13, 30, 52))]
+    with pytest.raises(SystemExit, match="more than one shape with S = 7,800 tokens"):
+        bench._parse_shapes("1x5x30x52,2x5x30x52")

@@ -26,7 +26,7 @@ def test_poisoned_phase_is_recorded_apart_from_training(tmp_path):
     assert runs["nan"]["before"]["sm_clock_mhz"] is None  # no GPU: no clock, and no error either
 
 
-@pytest.mark.parametrize("argv, msg", [(["--poison", "inf"], "--poison"), (["--shapes", "1x1x4x4,2x1x4x4"], "one shape"),
+@pytest.mark.parametrize("argv, msg", [(["--poison", "inf"], "--poison"), (["--shapes", "1x1x4x4,2x1x4x6"], "one shape"),
                                        (["--steps", "4", "--poison-step", "3", "--settle", "1"], "--settle")])
 def test_bad_arguments_name_the_flag(argv, msg, capsys):
     with pytest.raises(SystemExit):
