@@ -36,22 +36,35 @@ def configure_recompiles(limit: int = RECOMPILE_LIMIT) -> None:
 
 
 #: Inductor options compiled blocks get unless the caller sets them (and where this torch has them).
-#: ``triton.mix_order_reduction_non_strict_mode``: inductor's mix-order reduction fusion (the row and
-#: column reductions of a norm's backward in one kernel) otherwise guards on size thresholds
-#: (``B·S >= 4096``, ``B·512·1536 >= 5 MiB`` for the Wan block), so a bucketed corpus compiled one graph
-#: per side of each threshold. Measured on one H200 with the 1.3B recipe: 2 block graphs instead of 4,
-#: the shape benchmark 62 s instead of 92 s, training 21,239 vs 21,209 tokens/s (no slower).
-BLOCK_INDUCTOR_OPTIONS: dict[str, Any] = {"triton.mix_order_reduction_non_strict_mode": True}
+#: ``triton.mix_order_reduction: False`` works around a silent-correctness bug of inductor's mix-order
+#: reduction (the row and column reductions of a norm's backward fused in one Triton kernel; GPU
+#: only): when the column sums are slices of one buffer, as the gradients of a ``chunk``-ed AdaLN
+#: modulation are at B = 1, the fused kernel's results are never written into it, and the backward
+#: returns uninitialised or stale memory (pytorch/pytorch#193061, fixed by #193103; still present in
+#: torch 2.13, ``_codegen_mix_order_reduction``). Measured on one H200 (torch 2.11, Wan 2.1 1.3B
+#: compiled, B = 1): gradients of the time embedding 1,000-10,000x eager's, NaN within 11-34 steps
+#: (``benchmarks/nonfinite_probe.py``). With the fusion off, its size thresholds (which compiled one
+#: graph per side of each for a bucketed corpus) are gone too.
+BLOCK_INDUCTOR_OPTIONS: dict[str, Any] = {"triton.mix_order_reduction": False}
 
 
 def block_compile_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """``torch.compile`` keyword arguments for a block: ``kwargs`` with :data:`BLOCK_INDUCTOR_OPTIONS`
     filled in under ``options`` for the inductor backend, each only if the caller's options do not set
     it and this torch's inductor knows it. A ``mode`` excludes ``options`` in ``torch.compile``, so
-    with one nothing is added."""
+    with one nothing is added and a warning says how to apply the options (the environment)."""
     out = dict(kwargs)
     backend = out.get("backend", "inductor")
-    if backend != "inductor" or out.get("mode") is not None:
+    if backend != "inductor":
+        return out
+    if out.get("mode") is not None:
+        import warnings
+
+        warnings.warn(
+            f"compile_blocks(mode={out['mode']!r}): torch.compile takes no inductor options with a mode, so the "
+            "blocks compile without `triton.mix_order_reduction=False`, which avoids wrong gradients at batch "
+            "size 1 on GPUs (pytorch/pytorch#193061). Set TORCHINDUCTOR_MIX_ORDER_REDUCTION=0 in the environment, "
+            "or pass `options` instead of `mode`.", stacklevel=3)
         return out
     from torch._inductor import config as inductor_config
 

@@ -96,7 +96,8 @@ class FlowMatchingModule(RectifiedFlowModule):
             ``Trainer(precision="bf16-mixed")`` (autocast runs the matmuls); the block parameters,
             the modulation included, are then bf16 in forward, fp32 in the optimizer.
         compile_options: inductor options for the compiled blocks (``torch.compile(options=...)``, names
-            as in ``torch._inductor.config``, e.g. ``{"triton.mix_order_reduction_non_strict_mode": True}``);
+            as in ``torch._inductor.config``, e.g. ``{"max_autotune": True}``; added to the blocks' defaults,
+            :data:`~lightning_adaptiveload.models.compiling.BLOCK_INDUCTOR_OPTIONS`);
             an unknown name is an error here, not at the first step. Needs ``compile=True``.
         optimizer_impl: AdamW's implementation: ``"fused"`` (one kernel for the whole update),
             ``"foreach"`` (PyTorch's default on GPU), or ``"auto"``: fused when every parameter is on a

@@ -612,7 +612,7 @@ class WanModel(nn.Module):
         ``kwargs`` go to :meth:`torch.nn.Module.compile` (e.g. ``mode``, ``backend``, ``options``);
         with inductor and no ``mode``, the options of
         :data:`~lightning_adaptiveload.models.compiling.BLOCK_INDUCTOR_OPTIONS` are added unless
-        ``options`` sets them (they remove size-threshold recompiles).
+        ``options`` sets them (they avoid an inductor bug that returns wrong gradients at B = 1 on GPUs).
         """
         compile_repeated(self.blocks, _mark_block_inputs_dynamic, **kwargs)
         self._blocks_compiled = True
