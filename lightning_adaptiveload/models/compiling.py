@@ -93,7 +93,7 @@ def check_compile_options(options: Mapping[str, Any] | None, compile: bool,
         return None
     if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
         raise ValueError(f"`{owner}(compile_options={options!r})` is not valid. Expected a mapping of "
-                         "inductor option names to values, e.g. {'triton.mix_order_reduction_non_strict_mode': True}.")
+                         "inductor option names to values, e.g. {'max_autotune': True}.")
     if not compile:
         raise ValueError(f"`{owner}(compile_options={dict(options)!r})` needs `compile=True`; "
                          "without it nothing is compiled.")
