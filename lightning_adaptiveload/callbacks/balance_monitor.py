@@ -355,7 +355,8 @@ class BalanceMonitor(Callback):
                 rank_zero_warn(
                     f"`BalanceMonitor`: the loss of step {trainer.global_step} is not finite (rank {ranks}). Steps "
                     "with a non-finite loss are left out of the speed metrics: arithmetic on NaNs draws less power "
-                    "and runs faster than training. Lower the learning rate, add warm-up steps or check the data."
+                    "and runs faster than training. Lower the learning rate, add warm-up steps or check the data; with "
+                    "compiled blocks, keep inductor's mix-order reduction off (their default; pytorch/pytorch#193061)."
                 )
         counted = self._seen > self.warmup_steps and finite
         self._accumulate(rows, counted=counted)
