@@ -266,7 +266,7 @@ def test_compiled_gradients_at_batch_size_one_match_eager_on_the_gpu():
             if "modulation" in name or name.startswith(("time_embedding", "time_projection")):
                 assert torch.isfinite(p.grad).all(), name
                 rel = float((p.grad - q.grad).norm() / q.grad.norm().clamp_min(1e-12))
-                assert rel < 2e-2, f"{name}: relative gradient error {rel:.3g} against eager"
+                assert rel < 5e-2, f"{name}: relative gradient error {rel:.3g} against eager"  # fusion on (the bug), H200: 2.86
 
 
 @pytest.mark.cuda
