@@ -234,7 +234,8 @@ class BalanceMonitor(Callback):
         # Per rank: sums of the SM clock and power samples that were read, and how many were.
         self._gpu_sums = np.zeros((world_size, 2))
         self._gpu_samples = np.zeros(world_size)
-        # This rank's counted steps per batch shape (B, S): [steps, step time, predicted compute, FLOPs].
+        # This rank's counted steps per batch shape (B, S): [steps, step time, predicted compute, FLOPs,
+        # device allocations, slowest step] (sums, the last a maximum).
         self._shape_sums: dict[tuple[int, int], np.ndarray] = {}
 
     def _now(self, device: torch.device) -> float:
@@ -362,8 +363,10 @@ class BalanceMonitor(Callback):
         self._accumulate(rows, counted=counted)
         if counted:
             key = (int(b), int(s))
-            self._shape_sums[key] = self._shape_sums.get(key, np.zeros(4)) + np.array(
-                [1.0, step_time, float(local[2]), flops])
+            sums = self._shape_sums.get(key, np.zeros(6))
+            sums[:5] += (1.0, step_time, float(local[2]), flops, device_allocs)
+            sums[5] = max(sums[5], step_time)
+            self._shape_sums[key] = sums
         if (batch_idx + 1) % self.log_every_n_steps == 0:
             pl_module.log_dict(self.last_metrics, on_step=True, on_epoch=False, rank_zero_only=True)
         # The gap to the next batch starts here: this callback's own gather is not data wait.
@@ -447,16 +450,20 @@ class BalanceMonitor(Callback):
     def per_shape(self) -> list[dict[str, float]]:
         """This rank's counted steps per batch shape, largest S first: ``B``, ``S``, ``steps``, mean
         ``step_s``, mean ``predicted`` compute (the cost model's seconds when there is one), ``measured_over_predicted``
-        (mean step time over mean prediction), ``tokens_per_s`` and ``mfu`` (when the module counts FLOPs).
+        (mean step time over mean prediction), ``tokens_per_s``, ``mfu`` (when the module counts FLOPs),
+        ``slowest_step_s`` and ``device_allocs`` (the caching allocator's device allocations and frees during
+        those steps: a shape whose steps map new memory is slower than its profile for that reason).
 
         With a fitted cost model this is how far training steps are from what the shape benchmark
         measured for the same shape: a ratio above 1 is time the profile did not see (the optimizer
         step, host gaps, a slower clock under sustained load).
         """
         out = []
-        for (b, s), (n, t, pred, flops) in sorted(self._shape_sums.items(), key=lambda kv: (-kv[0][1], -kv[0][0])):
+        for (b, s), (n, t, pred, flops, allocs, slowest) in sorted(self._shape_sums.items(),
+                                                                    key=lambda kv: (-kv[0][1], -kv[0][0])):
             row = {"B": b, "S": s, "steps": int(n), "step_s": t / n, "predicted": pred / n,
-                   "measured_over_predicted": t / pred if pred > 0 else float("nan"), "tokens_per_s": n * b * s / t}
+                   "measured_over_predicted": t / pred if pred > 0 else float("nan"), "tokens_per_s": n * b * s / t,
+                   "slowest_step_s": slowest, "device_allocs": int(allocs)}
             if flops > 0 and self._peak_tflops:
                 row["mfu"] = flops / t / 1e12 / self._peak_tflops
             out.append(row)
@@ -549,6 +556,13 @@ class BalanceMonitor(Callback):
                                  f"{row['predicted']:.4g}", "-" if np.isnan(ratio) else f"{ratio:.3f}",
                                  f"{row['tokens_per_s']:,.0f}", f"{row['mfu']:.1%}" if "mfu" in row else "-")
             console.print(by_shape)
+            # The shapes whose steps mapped device memory, with their slowest step: a one-off cost (the first
+            # step of a shape growing the pool) or a shape that is slow throughout. A line, not columns: the
+            # table already fills an 80-column log.
+            allocs = [f"{row['B']} x {row['S']:,}: {row['device_allocs']} (slowest step {row['slowest_step_s']:.3f} s, "
+                      f"mean {row['step_s']:.3f} s)" for row in shapes if row["device_allocs"]]
+            if allocs:
+                console.print("device allocations per shape: " + "; ".join(allocs))
         mfu = ""
         if "tflops_per_gpu" in s:
             mfu = f" | {s['tflops_per_gpu']:.3g} model TFLOP/s per GPU" + (f", MFU {s['mfu']:.1%}" if "mfu" in s else "")

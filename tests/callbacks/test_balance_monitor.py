@@ -352,6 +352,31 @@ def test_per_shape_report_compares_training_steps_with_the_cost_model(tmp_path, 
     assert [r["mfu"] for r in rows] == pytest.approx([0.08, 0.12])
     out = " ".join(capsys.readouterr().out.split())
     assert "Per batch shape (rank 0)" in out and "2.500" in out and "1.667" in out
+    assert "allocations per shape" not in out  # shown only where steps made device allocations
+
+
+def test_per_shape_report_names_the_slowest_step_and_the_device_allocations(tmp_path, monkeypatch, capsys):
+    # Step k reads the clock at 100k (start), 100k + 1 (before backward), then 100k + 2 + k twice: it takes 2 + k s.
+    values = iter([100.0 * k + dt for k in range(100) for dt in (0.0, 1.0, 2.0 + k, 2.0 + k)])
+    monkeypatch.setattr(balance_monitor, "time", SimpleNamespace(perf_counter=lambda: next(values)))
+    # The allocator's cumulative counts at each step's start and end: step 3 maps memory 5 times, step 4 twice.
+    mallocs = iter([0, 0, 0, 0, 0, 0, 0, 5, 5, 7, 7, 7, 7, 7])
+    monkeypatch.setattr(balance_monitor, "_allocator_counts", lambda device: (0, next(mallocs)))
+    # Alternating shapes: even steps B=3 x S=12, odd steps B=1 x S=24.
+    data = [{"latents": torch.randn(3, 4, 2, 4, 6)} if k % 2 == 0 else {"latents": torch.randn(1, 4, 4, 4, 6)}
+            for k in range(7)]
+    monitor = BalanceMonitor(cost_model=SimpleNamespace(predict=lambda b, s: 0.05 * b * s), warmup_steps=1)
+    trainer = Trainer(default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=7, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      callbacks=[monitor])
+    trainer.fit(FlopsModule(), train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+    rows = {r["S"]: r for r in monitor.per_shape()}
+    # Counted steps 1, 3, 5 (S = 24: 3, 5, 7 s) and 2, 4, 6 (S = 12: 4, 6, 8 s); step 0 is warm-up.
+    assert [rows[24]["step_s"], rows[24]["slowest_step_s"], rows[24]["device_allocs"]] == [5.0, 7.0, 5]
+    assert [rows[12]["step_s"], rows[12]["slowest_step_s"], rows[12]["device_allocs"]] == [6.0, 8.0, 2]
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("device allocations per shape: 1 x 24: 5 (slowest step 7.000 s, mean 5.000 s); "
+            "3 x 12: 2 (slowest step 8.000 s, mean 6.000 s)") in out
 
 
 def test_peak_flops_come_from_lightning_except_the_h200(monkeypatch):
@@ -407,7 +432,7 @@ def test_epoch_estimate_spreads_the_epoch_over_the_ranks_and_keeps_the_bubble():
     nan = float("nan")  # no clock or power (CPU)
     monitor._accumulate(np.array([[2.0, 1.0, 1.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0],
                                   [4.0, 1.0, 1.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0]]))
-    monitor._shape_sums[(1, 8)] = np.array([1.0, 2.0, 1.0, 0.0])
+    monitor._shape_sums[(1, 8)] = np.array([1.0, 2.0, 1.0, 0.0, 0.0, 2.0])
     e = monitor.epoch_estimate([{"seq_len": 8, "batch_size": 1, "batches": 6},
                                 {"seq_len": 16, "batch_size": 1, "batches": 2, "sp_degree": 2}])
     # SP batch: predicted by the planner's SP cost, and it holds 2 ranks.
