@@ -10,9 +10,28 @@ from typing_extensions import override
 from lightning_adaptiveload.parallel.fsdp import build_fsdp_mesh, check_shard_size
 
 
+class SameStreamDDPStrategy(DDPStrategy):
+    """Lightning's ``DDPStrategy``, with the model wrapped on the current CUDA stream.
+
+    Lightning (2.6.6, the newest release) builds ``DistributedDataParallel`` under a new CUDA stream, which
+    only whole-network CUDA-graph capture needs. DDP's reducer then keeps the parameters' ``AccumulateGrad``
+    nodes on that stream, so every backward warns "The AccumulateGrad node's stream does not match ..." and
+    synchronises the two streams for each parameter (Lightning-AI/pytorch-lightning#21567, fixed upstream by
+    #21746, not yet released). Until a release has the fix, this wraps the model as plain PyTorch does.
+    """
+
+    @override
+    def _setup_model(self, model: Any) -> Any:
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(module=model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
+
+
 def ddp_strategy(find_unused_parameters: bool = False, **kwargs: Any) -> Strategy:
-    """DDP with the gradient-bucket view option that avoids a copy of every gradient."""
-    return DDPStrategy(find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=True, **kwargs)
+    """DDP with the gradient-bucket view option that avoids a copy of every gradient, its model wrapped on the
+    current CUDA stream (:class:`SameStreamDDPStrategy`)."""
+    return SameStreamDDPStrategy(find_unused_parameters=find_unused_parameters, gradient_as_bucket_view=True,
+                                 **kwargs)
 
 
 def fsdp_strategy(
