@@ -35,6 +35,6 @@ TORCH_LOGS=${TORCH_LOGS:-recompiles} timeout ${RECIPE_TIMEOUT:-420} python3 -m l
     data.dataset.num_samples=20000 callbacks.shape_benchmark.cache_dir="$OUT/cache" output_dir="$OUT/recipe_${NAME:-1_3b}" "$@" 2>&1 \
   | grep --line-buffered -v -i "warnings.warn\|tip:\|litlogger" | while IFS= read -r line; do printf '%(%T)T %s\n' -1 "$line"; done \
   | tee "$LOG" | grep -v "__recompiles\]" | tail -${TAIL:-70}
-echo "block graphs compiled: $(( $(grep -c 'Recompiling function forward' "$LOG") + 1 )) (from TORCH_LOGS=recompiles)"
+echo "block graphs compiled: $(( $(grep -c 'Recompiling function' "$LOG") + 1 )) (Dynamo recompiles + 1, from TORCH_LOGS=recompiles)"
 [ -n "$SMI_PID" ] && kill "$SMI_PID" "$APPS_PID" 2>/dev/null
 true

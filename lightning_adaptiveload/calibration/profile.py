@@ -13,7 +13,9 @@ Every decision that ranks must share (out of memory, out of time) goes
 through the collectives, so all ranks run the same steps. Bounds:
 
 - a shape starts no step that its last timed step predicts would end past ``shape_time_s`` of its
-  own time, compiling excluded (at least one timed step is kept; a step in flight is never interrupted), or once two timed steps or more agree to
+  own time, compiling excluded (with a compile clock, the whole of a step in which something compiled:
+  its first run loads kernels and sets up libraries too; at least one timed step is kept; a step in
+  flight is never interrupted), or once two timed steps or more agree to
   within ``stable_rel`` of their median (more repetitions would not move the median by more);
 - the run stops starting new shapes once ``time_budget_s`` is spent and every sequence length has one
   measurement (the first pass), and shapes after the first pass get at most the budget that is left;
@@ -396,6 +398,8 @@ def _profile_one(make_step, shape: Shape, coll: Collectives, warmup: int, repeat
     oom = False
     t_shape = clock()
     c_shape = compiled()
+    # Wall time of the steps in which something compiled, beyond what the compile clock counted.
+    one_off = 0.0
     if memory.reset is not None:
         memory.reset()
     try:
@@ -410,7 +414,7 @@ def _profile_one(make_step, shape: Shape, coll: Collectives, warmup: int, repeat
             # count against the shape's time (it is paid once, and training would pay it anyway).
             # A step predicted to end past the limit is not started (at least one timed step is kept):
             # at a few seconds a step, one timed step is already within a percent of the median.
-            if times and coll.broadcast(clock() - t_shape - (compiled() - c_shape) + times[-1] > limit):
+            if times and coll.broadcast(clock() - t_shape - (compiled() - c_shape) - one_off + times[-1] > limit):
                 break
             if stable_rel > 0 and len(times) >= 2 and coll.broadcast(
                     max(times) - min(times) <= stable_rel * float(np.median(times))):
@@ -427,6 +431,8 @@ def _profile_one(make_step, shape: Shape, coll: Collectives, warmup: int, repeat
                 # Every rank compiles the same graphs, but the decision must be shared all the same.
                 # A warm-up step in which nothing compiled is already a steady-state step.
                 steady = not coll.max(float(compiled() > c0))
+                if not steady:
+                    one_off += max(0.0, dt - (compiled() - c0))
             if steady:
                 times.append(dt)
             if dt >= _SLOW_STEP_S:

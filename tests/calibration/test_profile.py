@@ -269,14 +269,16 @@ def test_memory_limit_skips_a_length_where_nothing_fits_and_never_caps_below_a_m
     assert _cap_batch(Shape(9, (1, 1, 50)), done[:1], memory_limit=1_000) == 9  # no model from one point
 
 
-def test_shape_time_excludes_compile_time():
+def test_shape_time_excludes_every_step_that_compiled():
     clock, calls = Clock(), []
-    cc = CompileClock({0})  # the first step compiles for 5 s on the compile clock ...
-    durations = iter([40.0, 2.0, 2.0, 2.0])  # ... and takes 40 s of wall time, above shape_time_s
+    cc = CompileClock({0, 2})  # steps 0 and 2 compile for 5 s on the compile clock ...
+    durations = iter([40.0, 2.0, 9.0, 2.0, 2.0, 2.0])  # ... and take 40 s and 9 s of wall time
     m = profile(_compiling_stepper(clock, durations, cc, calls), [Shape(1, (1, 1, 4))], warmup=1, repeats=3,
-                shape_time_s=39.0, clock=clock, compile_clock=cc)
-    # 40 s - 5 s compiling = 35 s < 39 s: a second timed step starts; then 37 s: a third; then 39 s: stop.
-    assert m[0].timed_steps == 2 and len(calls) == 3
+                shape_time_s=5.0, clock=clock, compile_clock=cc)
+    # Neither compiling step counts against the 5 s (their first runs load kernels: one-off time too):
+    # timed steps of 2 s end at 2 s and 4 s; a third would end at 6 s > 5 s, so the shape stops there.
+    assert m[0].timed_steps == 2 and len(calls) == 4 and m[0].time_s == 2.0
+    assert m[0].compile_s == 10.0 and m[0].seconds == 53.0
 
 
 def test_stable_timings_stop_a_shape_early():
