@@ -17,7 +17,9 @@ class SameStreamDDPStrategy(DDPStrategy):
     only whole-network CUDA-graph capture needs. DDP's reducer then keeps the parameters' ``AccumulateGrad``
     nodes on that stream, so every backward warns "The AccumulateGrad node's stream does not match ..." and
     synchronises the two streams for each parameter (Lightning-AI/pytorch-lightning#21567, fixed upstream by
-    #21746, not yet released). Until a release has the fix, this wraps the model as plain PyTorch does.
+    #21746, not yet released). Until a release has the fix, this wraps the model as plain PyTorch does. On one
+    H200 both trained the mixed 480p+720p corpus at the same speed (docs/benchmarks.md §0); multi-GPU is not
+    measured.
     """
 
     @override
