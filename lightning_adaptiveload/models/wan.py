@@ -481,10 +481,12 @@ class WanAttentionBlock(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         sequence_parallel: Any | None = None,
     ) -> torch.Tensor:
-        # Modulation in fp32; chunk gives six strided [B, 1, D] views, no copies.
-        shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = (
-            self.modulation.float() + e0.float()
-        ).chunk(6, dim=1)
+        # Modulation in fp32: six strided [B, 1, D] views, no copies. Slices, not `chunk`: the backward
+        # of `chunk` concatenates the six gradients, and inductor computes each column sum straight into
+        # its slice of the concatenated buffer, where its mix-order reduction drops the write
+        # (pytorch/pytorch#193061). The slices' gradients are summed into a fresh buffer instead.
+        mod = self.modulation.float() + e0.float()
+        shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = (mod[:, i:i + 1] for i in range(6))
         # Residual updates are plain tensor ops (autocast leaves them alone): promoting with the
         # fp32 gate keeps the residual stream in fp32 from block 0 on, as in Wan.
         y = self.self_attn(self.norm1(x, scale_sa, shift_sa), rope=rope, sequence_parallel=sequence_parallel)

@@ -240,10 +240,13 @@ def test_blocks_get_the_default_inductor_options_unless_the_caller_sets_them(mon
 
 
 @pytest.mark.cuda
-def test_compiled_gradients_at_batch_size_one_match_eager_on_the_gpu():
+@pytest.mark.parametrize("mix_order_reduction", [None, True, False], ids=["default", "fusion_on", "fusion_off"])
+def test_compiled_gradients_at_batch_size_one_match_eager_on_the_gpu(mix_order_reduction):
     """Inductor's mix-order reduction (GPU only) left the [1, 6, D] modulation gradient of a B = 1 backward
-    unwritten (pytorch/pytorch#193061): on an H200 the time-embedding gradients came out 1,000-10,000x
-    eager's. With the blocks' default options the compiled gradients match eager's."""
+    unwritten when the six modulation vectors were `chunk`-ed (pytorch/pytorch#193061): on an H200 the
+    time-embedding gradients came out 1,000-10,000x eager's. The block slices them instead, so the compiled
+    gradients match eager's with the fusion on or off."""
+    options = {} if mix_order_reduction is None else {"options": {"triton.mix_order_reduction": mix_order_reduction}}
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = WanModel({"preset": "wan2_1_1_3b", "num_layers": 2}).cuda()
@@ -253,7 +256,7 @@ def test_compiled_gradients_at_batch_size_one_match_eager_on_the_gpu():
                 p.normal_(0, 0.02)
     ref = WanModel({"preset": "wan2_1_1_3b", "num_layers": 2}).cuda()
     ref.load_state_dict(model.state_dict())
-    model.compile_blocks()
+    model.compile_blocks(**options)
     cfg = model.config
     for _ in range(2):  # a second step reuses freed memory, where an unwritten buffer holds stale values
         x = torch.randn(1, cfg.in_dim, 5, 60, 104, device="cuda")  # token grid (5, 30, 52): S = 7,800
@@ -288,3 +291,33 @@ def test_default_options_compile_one_graph_per_batch_class_on_the_gpu():
             out = model(x, torch.rand(b, device="cuda") * 1000, torch.randn(b, cfg.text_len, cfg.text_dim, device="cuda"))
             out.float().square().mean().backward()
     assert counters["stats"]["unique_graphs"] == 2
+
+
+@pytest.mark.slow  # ~10-20 s on a 2-core CPU: inductor's C++ backend
+def test_modulation_gradients_are_not_computed_into_a_concatenated_buffer():
+    """The guard behind the GPU test above, on CPU: pytorch/pytorch#193061 drops the writes of a mix-order
+    reduction whose output is an alias into another buffer. With the six modulation vectors `chunk`-ed, the
+    B = 1 backward computes each [1, 1, D] column sum straight into its slice of the concatenated [1, 6, D]
+    gradient (an ``# alias`` line in inductor's code); with slices, each is a buffer of its own."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = WanModel({"preset": "tiny", "num_layers": 1})
+    ref = WanModel({"preset": "tiny", "num_layers": 1})
+    ref.load_state_dict(model.state_dict())
+    model.compile_blocks()
+    cfg = model.config
+    x, t, c = torch.randn(1, cfg.in_dim, 2, 8, 8), torch.rand(1) * 1000, torch.randn(1, cfg.text_len, cfg.text_dim)
+
+    def step():
+        model(x, t, c).square().mean().backward()
+
+    _, codes = run_and_get_code(step)
+    backward = codes[-1]
+    aliases = [line.strip() for line in backward.splitlines() if "# alias" in line]
+    modulation = [line for line in aliases if f"(1, 1, {cfg.dim})" in line]
+    assert not modulation, "modulation gradients computed into slices of one buffer:\n" + "\n".join(modulation)
+    ref(x, t, c).square().mean().backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
