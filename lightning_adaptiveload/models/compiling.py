@@ -44,7 +44,10 @@ def configure_recompiles(limit: int = RECOMPILE_LIMIT) -> None:
 #: torch 2.13, ``_codegen_mix_order_reduction``). Measured on one H200 (torch 2.11, Wan 2.1 1.3B
 #: compiled, B = 1): gradients of the time embedding 1,000-10,000x eager's, NaN within 11-34 steps
 #: (``benchmarks/nonfinite_probe.py``). With the fusion off, its size thresholds (which compiled one
-#: graph per side of each for a bucketed corpus) are gone too.
+#: graph per side of each for a bucketed corpus) are gone too. The project's Wan block slices its
+#: modulation instead of ``chunk``-ing it, so its gradients are right with the fusion on as well; it stays
+#: off by default because it is slower here (mixed 480p+720p corpus on one H200: 43.4% MFU, 6 graphs and
+#: a 113 s profile with it on, 44.4-44.6%, 3 graphs and 78-103 s with it off), and diffusers' Wan chunks.
 BLOCK_INDUCTOR_OPTIONS: dict[str, Any] = {"triton.mix_order_reduction": False}
 
 
