@@ -47,7 +47,7 @@ def configure_recompiles(limit: int = RECOMPILE_LIMIT) -> None:
 #: graph per side of each for a bucketed corpus) are gone too. The project's Wan block slices its
 #: modulation instead of ``chunk``-ing it, so its gradients are right with the fusion on as well; it stays
 #: off by default because it is slower here (mixed 480p+720p corpus on one H200: 43.4% MFU, 6 graphs and
-#: a 113 s profile with it on, 44.4-44.6%, 3 graphs and 78-103 s with it off), and diffusers' Wan chunks.
+#: a 113 s profile with it on, 44.4-44.6%, 3 graphs and 94-96 s with it off), and diffusers' Wan chunks.
 BLOCK_INDUCTOR_OPTIONS: dict[str, Any] = {"triton.mix_order_reduction": False}
 
 
