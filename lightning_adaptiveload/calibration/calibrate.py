@@ -214,6 +214,11 @@ def calibrate(
     cal, derived, source = None, None, None
     if pinned is not None:
         cal, source = record.load_calibration(pinned), f"file {pinned}"
+        if cal.key != key:
+            # Pinned means used as is, but a calibration of another setup prices its steps wrongly: say where.
+            warn(f"the pinned calibration {pinned} was made for another setup ({key_diff(cal.key, key, values=True)}); "
+                 "using it as pinned. Its step times and memory budgets may not hold for this run: drop "
+                 "`calibration=` to profile this setup (or pin a calibration this setup wrote).")
     elif not force and restored is not None:
         candidate = record.Calibration.from_json(restored["calibration"], source="the checkpoint")
         if candidate.key == key:
@@ -243,16 +248,22 @@ def calibrate(
         if cache_dir is not None and is_global_zero:
             record.write_cache(cache_dir, cal)
     derivation = derive_for(cal, grids, counts, settings, derived=derived, world_size=world_size, balance=balance,
-                            seed=seed, oversize=oversize, sp_degree=sp_degree, say=say, samples=samples)
+                            seed=seed, oversize=oversize, sp_degree=sp_degree, say=say, samples=samples, warn=warn)
     return CalibrationResult(cal, derivation, str(source), profiled)
 
 
 def derive_for(cal: record.Calibration, grids: np.ndarray, counts: np.ndarray, settings: ProfileSettings, *,
                derived: dict[str, Any] | None = None, world_size: int = 1, balance: str = "cost", seed: int = 0,
                oversize: str = "error", sp_degree: int = 1, say: Callable[[str], None] = lambda line: None,
-               samples: tuple[np.ndarray, Any] | None = None) -> derive.Derivation:
+               samples: tuple[np.ndarray, Any] | None = None,
+               warn: Callable[[str], None] = lambda line: None) -> derive.Derivation:
     """The policy of a calibration for this corpus: the memory budget of each mode's tier (or the budgets
-    ``derived`` records, on resume), the oversize rule, then :func:`~lightning_adaptiveload.calibration.derive.derive_policy`."""
+    ``derived`` records, on resume), the oversize rule, then :func:`~lightning_adaptiveload.calibration.derive.derive_policy`.
+
+    ``derived`` holds ``m_mem`` (and ``tier_m_mem``) and ``step_budget_s``; a ``step_budget_s`` of ``None``
+    keeps the memory budgets and derives the step budget (``settings.step_budget_s``, else the throughput
+    rule), as a re-plan with a corrected cost model does. ``warn`` receives the derivation's warning (a flat
+    profile), once."""
     try:
         tiers = derive.tiers_from_record(cal.extra)
     except ValueError as err:
@@ -261,7 +272,8 @@ def derive_for(cal: record.Calibration, grids: np.ndarray, counts: np.ndarray, s
     if derived is not None:
         # A resumed run applies the budgets its checkpoint was trained with, whatever the world size now.
         m_mem: Any = derived.get("tier_m_mem") or int(derived["m_mem"])
-        budget: float | None = float(derived["step_budget_s"])
+        given = derived.get("step_budget_s")
+        budget: float | None = settings.step_budget_s if given is None else float(given)
     else:
         budget = settings.step_budget_s
         if settings.m_mem is not None:
@@ -282,8 +294,11 @@ def derive_for(cal: record.Calibration, grids: np.ndarray, counts: np.ndarray, s
     tried = (cal.extra.get("checkpointing") or {}).get("modes") or [t.mode for t in tiers or ()]
     why = f"that fit one device even with '{tried[-1]}' activation checkpointing" if tried else "that fit one device"
     check_oversize(grids, counts, limit, oversize, why, samples, sp_degree)
-    return derive.derive_policy(cal.cost_model, grids, m_mem, counts=counts, world_size=world_size, balance=balance,
-                                step_budget_s=budget, oversize=oversize, seed=seed, tiers=tiers)
+    derivation = derive.derive_policy(cal.cost_model, grids, m_mem, counts=counts, world_size=world_size,
+                                      balance=balance, step_budget_s=budget, oversize=oversize, seed=seed, tiers=tiers)
+    if derivation.warning:
+        warn(derivation.warning)
+    return derivation
 
 
 def profile_modes(grids: np.ndarray, settings: ProfileSettings, trainee: Trainee,
@@ -448,8 +463,23 @@ def out_of_memory_advice(cal: record.Calibration, derivation: derive.Derivation 
             "setting).")
 
 
-def key_diff(a: dict[str, Any], b: dict[str, Any]) -> str:
-    """Which fields of two calibration keys differ, in words."""
+#: A key value longer than this is shortened in :func:`key_diff` (grids and length lists run to kilobytes).
+_KEY_VALUE_CHARS = 60
+
+
+def key_diff(a: dict[str, Any], b: dict[str, Any], *, values: bool = False) -> str:
+    """Which fields of two calibration keys differ, in words; with ``values``, each with its value in ``a``
+    (the calibration's) and in ``b`` (this run's), shortened to :data:`_KEY_VALUE_CHARS` characters."""
     names = {"model": "model architecture", "grid": "profiled grid"}
-    diff = [names.get(k, k) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-    return ", ".join(diff) + " differ" if diff else "same key"
+    fields = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    if not fields:
+        return "same key"
+    if not values:
+        return ", ".join(names.get(k, k) for k in fields) + " differ"
+
+    def short(key: dict[str, Any], k: str) -> str:
+        text = repr(key[k]) if k in key else "(absent)"
+        return text if len(text) <= _KEY_VALUE_CHARS else text[: _KEY_VALUE_CHARS - 3] + "..."
+
+    return "; ".join(f"{names.get(k, k)} ({k}): {short(a, k)} in the calibration, {short(b, k)} in this run"
+                     for k in fields)

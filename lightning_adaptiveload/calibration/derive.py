@@ -22,7 +22,10 @@ Three numbers decide it:
   a step lasts as long as its slowest rank, so imbalance costs throughput there too); the smallest
   budget within 1% of the best wins (smaller batches: less memory, finer balance). A large fixed
   cost per step therefore gives large batches, and a steep attention cost gives the long videos
-  small ones.
+  small ones. A flat profile (the dearest batch at its memory cap predicted within
+  :data:`FLAT_PROFILE_REL`, or within the fit's held-out error, of the cheapest batch of the corpus)
+  has no cost to trade: every bucket trains at its memory cap, and the derivation says so
+  (``Derivation.warning``).
 - the form of the cost model (above).
 
 Activation checkpointing, when the model leaves it to the calibration (``"auto"``), is chosen per
@@ -60,6 +63,15 @@ from lightning_adaptiveload.calibration.simulate import simulate
 PENDING_OPTIMIZER_BYTES_PER_PARAM = 8
 #: A budget within this fraction of the best predicted throughput counts as the best.
 THROUGHPUT_TOLERANCE = 0.01
+#: A profile is flat when the corpus's dearest batch (at its memory cap) is predicted within this fraction
+#: (or within the fit's held-out error, if larger) of its cheapest (B = 1 at the shortest S): the budgets
+#: between them then differ by less than profiling noise on a shared device (a 2-core CPU's tiny-model
+#: profile shows 3-25% held-out error), so the fit cannot rank them. Such a profile gets every bucket at
+#: its memory cap: the largest batches that fit, which under a flat step time also give the most tokens
+#: per second, and which the closed loop or a new profile can then lower.
+FLAT_PROFILE_REL = 0.05
+#: ``Derivation.budget_source`` of the flat-profile rule.
+MEMORY_CAPS_SOURCE = "memory caps (flat profile)"
 _DEFAULT_CANDIDATES = 24
 # Budgets are compared on a corpus of at most this many samples (bucket proportions kept), so
 # deriving a policy for 10^8 samples costs the same as for 10^5.
@@ -297,6 +309,8 @@ class Derivation:
     candidates: list[tuple[float, float]] = field(default_factory=list)
     #: Per-bucket checkpointing: ``{mode, max_seq_len, scale, m_mem}`` per tier (empty: one mode).
     tiers: list[dict[str, Any]] = field(default_factory=list)
+    #: Why the policy is not the throughput rule's (a flat profile: every bucket at its memory cap); "" if it is.
+    warning: str = ""
 
     @property
     def cost_model(self) -> Any:
@@ -317,6 +331,7 @@ class Derivation:
             "budget_source": self.budget_source, "world_size": self.world_size,
             "predicted": dict(self.predicted), "baseline": dict(self.baseline),
             "candidates": [list(c) for c in self.candidates], "tiers": [dict(t) for t in self.tiers],
+            **({"warning": self.warning} if self.warning else {}),
         }
 
     def summary(self) -> str:
@@ -340,11 +355,33 @@ def _simulation_corpus(grids: np.ndarray, counts: np.ndarray, max_samples: int) 
     return np.repeat(grids, counts, axis=0)
 
 
-def _predict(grids: np.ndarray, policy: BatchSizePolicy, world_size: int, cost_model: CostModel,
+def _predict(grids: np.ndarray, policy: BatchSizePolicy, world_size: int, cost_model: Any,
              balance: str, seed: int) -> dict[str, float]:
     r = simulate(grids, policy, world_size, cost_model=cost_model, balance=balance, seed=seed)
     return {"tokens_per_s": r.tokens_per_s, "compute_cv": r.compute_cv, "bubble": r.bubble,
             "num_steps": float(r.num_steps)}
+
+
+def price_model(cost_model: CostModel, tiers: Sequence[ModeTier] | None = None) -> Any:
+    """What :func:`derive_policy` times a policy with: the cost model (in the one tier's mode), or, with two
+    tiers or more, the :class:`TieredCostModel` the sampler balances on."""
+    tiers = list(tiers or [])
+    if len(tiers) > 1:
+        return TieredCostModel(cost_model, tiers)
+    return cost_model.scaled(tiers[0].scale) if tiers and tiers[0].scale != 1.0 else cost_model
+
+
+def predict_policy(policy: BatchSizePolicy, price: Any, grids: Any, counts: Any, m_mem: int, *, world_size: int = 1,
+                   balance: str = "cost", seed: int = 0) -> dict[str, float]:
+    """A policy's simulated epoch (``tokens_per_s``, ``compute_cv``, ``bubble``, ``num_steps``) of the distinct
+    ``grids`` with sample ``counts``, timed by ``price`` (:func:`price_model`): the corpus :func:`derive_policy`
+    compares its budgets on (samples up to ``m_mem`` tokens, at most ``_MAX_SIMULATED_SAMPLES``), so a policy
+    derived elsewhere compares with its ``predicted`` like for like."""
+    grids = np.asarray(grids, dtype=np.int64).reshape(-1, 3)
+    counts = np.asarray(counts, dtype=np.int64).reshape(-1)
+    fits = grids.prod(axis=1) <= int(m_mem)
+    corpus = _simulation_corpus(grids[fits], counts[fits], _MAX_SIMULATED_SAMPLES)
+    return _predict(corpus, policy, world_size, price, balance, seed)
 
 
 def derive_policy(
@@ -397,9 +434,10 @@ def derive_policy(
     budgets_mem = [int(m) for m in budgets_mem]
     m_mem = budgets_mem[-1]
     make_policy = _policy_maker(cost_model, tiers, budgets_mem, oversize)
+    heldout = cost_model.quality.get("heldout_median_rel_error", float("nan"))
+    price = price_model(cost_model, tiers)
     if len(tiers) == 1:
-        cost_model = cost_model.scaled(tiers[0].scale) if tiers[0].scale != 1.0 else cost_model
-    price = TieredCostModel(cost_model, tiers) if len(tiers) > 1 else cost_model
+        cost_model = price
     seq = grids.prod(axis=1)
     fits = seq <= m_mem
     if not fits.any():
@@ -413,28 +451,60 @@ def derive_policy(
     one_mode = cost_model.scaled(tiers[-1].scale) if len(tiers) > 1 else cost_model
     baseline = _predict(corpus, EqualTokenPolicy(m_mem), world_size, one_mode, "none", seed)
     candidates: list[tuple[float, float]] = []
+    warning = ""
+    # The one-tier rule refuses a budget at or below the fixed overhead; a latency-bound fit (the saturating
+    # form) can predict a step at exactly the overhead in floating point.
+    above_fixed = float(getattr(price, "params", {}).get("a", 0.0)) * (1 + 1e-9)
     if step_budget_s is not None:
         budget, source = float(step_budget_s), "given"
         policy = make_policy(budget)
         predicted = _predict(corpus, policy, world_size, price, balance, seed)
     else:
-        lo = float(price.predict(1, int(uniq.max())))
+        lo = max(above_fixed, float(price.predict(1, int(uniq.max()))))
         caps = np.maximum(1, make_policy(float("inf")).batch_sizes(uniq)) if tiers else np.maximum(1, m_mem // uniq)
         hi = float(np.max(price.predict(caps, uniq)))
-        budgets = [lo] if hi <= lo * (1 + 1e-9) else np.geomspace(lo, hi, max(2, int(num_candidates))).tolist()
-        results = []
-        for b in budgets:
-            pol = make_policy(b)
-            pred = _predict(corpus, pol, world_size, price, balance, seed)
-            results.append((b, pol, pred))
-            candidates.append((float(b), pred["tokens_per_s"]))
-        best = max(r[2]["tokens_per_s"] for r in results)
-        budget, policy, predicted = next(r for r in results if r[2]["tokens_per_s"] >= (1 - THROUGHPUT_TOLERANCE) * best)
-        source = "max predicted throughput"
+        warning = _flat_profile(price, uniq, caps, hi, heldout, m_mem)
+        if warning:
+            # Above the dearest cap batch's predicted step: every bucket at its memory cap.
+            budget, source = max(hi, above_fixed) * (1 + 1e-6), MEMORY_CAPS_SOURCE
+            policy = make_policy(budget)
+            predicted = _predict(corpus, policy, world_size, price, balance, seed)
+        else:
+            budgets = [lo] if hi <= lo * (1 + 1e-9) else np.geomspace(lo, hi, max(2, int(num_candidates))).tolist()
+            results = []
+            for b in budgets:
+                pol = make_policy(b)
+                pred = _predict(corpus, pol, world_size, price, balance, seed)
+                results.append((b, pol, pred))
+                candidates.append((float(b), pred["tokens_per_s"]))
+            best = max(r[2]["tokens_per_s"] for r in results)
+            budget, policy, predicted = next(r for r in results
+                                             if r[2]["tokens_per_s"] >= (1 - THROUGHPUT_TOLERANCE) * best)
+            source = "max predicted throughput"
     return Derivation(policy=policy, m_mem=m_mem, step_budget_s=float(budget), budget_source=source,
                       world_size=int(world_size), predicted=predicted, baseline=baseline, candidates=candidates,
                       tiers=[{"mode": t.mode, "max_seq_len": t.max_seq_len, "scale": t.scale, "m_mem": m}
-                             for t, m in zip(tiers, budgets_mem, strict=False)])
+                             for t, m in zip(tiers, budgets_mem, strict=False)], warning=warning)
+
+
+def _flat_profile(price: Any, uniq: np.ndarray, caps: np.ndarray, hi: float, heldout: float, m_mem: int) -> str:
+    """Why the corpus's batches cannot be told apart by cost (:data:`FLAT_PROFILE_REL`), or "".
+
+    Only where the policy has a choice: a corpus whose every bucket holds one sample at its cap has none."""
+    if not np.any(caps > 1):
+        return ""
+    floor = float(price.predict(1, int(uniq.min())))
+    bound = max(FLAT_PROFILE_REL, heldout if math.isfinite(heldout) else 0.0)
+    if hi > floor * (1 + bound):
+        return ""
+    what = "the fit's held-out error" if bound > FLAT_PROFILE_REL else "FLAT_PROFILE_REL"
+    return (f"the profiled step time hardly grows with the batch: the cost model predicts {floor * 1e3:.4g} ms for "
+            f"the cheapest batch of this corpus (B=1, S={int(uniq.min()):,}) and {hi * 1e3:.4g} ms for the dearest at "
+            f"its memory cap, {hi / floor - 1:.1%} apart, within {bound:.0%} ({what}), so the profile cannot rank step "
+            f"budgets. Every bucket trains at its memory cap (M_mem = {m_mem:,} tokens: the largest batches that fit, "
+            "which also give the most tokens per second when a step costs the same whatever its size). To profile "
+            "again, use `force=True` on an otherwise idle device with larger shapes (`batch_sizes`) or more "
+            "`repeats`; or set `step_budget_s`.")
 
 
 def _policy_maker(cost_model: CostModel, tiers: Sequence[ModeTier], m_mem: Sequence[int], oversize: str) -> Any:

@@ -1,0 +1,127 @@
+"""calibrate(): what the conductor decides between profiling and the policy (flat profiles, pinned files of
+another setup, what the cache keeps)."""
+
+import time
+import warnings
+
+import numpy as np
+import pytest
+
+from lightning_adaptiveload.calibration import derive, record
+from lightning_adaptiveload.calibration.calibrate import (
+    ProfileSettings,
+    Trainee,
+    calibrate,
+    checkpoint_state,
+    derive_for,
+    key_diff,
+)
+from lightning_adaptiveload.calibration.costmodel import CostModel
+from lightning_adaptiveload.calibration.profile import Measurement
+
+# The CPU quickstart's corpus lengths: S = 16, 32, 64, 180.
+GRIDS = np.array([(1, 4, 4), (1, 4, 8), (1, 8, 8), (5, 6, 6)])
+COUNTS = np.array([100, 100, 100, 50])
+KEY = {"model": "m", "device": "cpu:x86_64", "grid": [[1, 1, 4, 4]]}
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def _flat_calibration(key=KEY):
+    """The reported profile: five shapes at 104 ms each (the time does not grow with B·S)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # too few points for a held-out comparison: part of the report
+        cm = CostModel.fit([1, 1, 1, 1, 22], [16, 32, 64, 180, 16], [0.104] * 5, form="auto")
+    shapes = [(1, (1, 4, 4)), (1, (1, 4, 8)), (1, (1, 8, 8)), (1, (5, 6, 6)), (22, (1, 4, 4))]
+    meas = [Measurement(b, g, int(np.prod(g)), 0.104, None, "ok", 3, 0.3) for b, g in shapes]
+    return record.Calibration(dict(key), cm, meas)
+
+
+def test_a_flat_profile_trains_every_bucket_at_its_memory_cap_with_one_warning():
+    cal = _flat_calibration()
+    # Before the fix the throughput rule's only candidate was the fixed overhead itself, which the one rule
+    # refused: "`step_budget_s=0.104` is not valid ... Raise the budget", a setting the user never set.
+    warned = []
+    d = derive_for(cal, GRIDS, COUNTS, ProfileSettings(), warn=warned.append)
+    assert d.budget_source == derive.MEMORY_CAPS_SOURCE
+    seq = GRIDS.prod(axis=1)
+    assert d.m_mem == 352  # CPU: the largest profiled batch (22 x 16)
+    assert d.policy.batch_sizes(seq).tolist() == (d.m_mem // seq).tolist() == [22, 11, 5, 1]
+    assert len(warned) == 1 and warned[0] == d.warning
+    assert "hardly grows with the batch" in d.warning and "memory cap" in d.warning and "force=True" in d.warning
+    assert d.to_dict()["warning"] == d.warning
+    # A resumed run applies the recorded budget as given: the same batches, no error.
+    resumed = derive_for(cal, GRIDS, COUNTS, ProfileSettings(), derived=checkpoint_state(cal, d)["derived"])
+    assert resumed.budget_source == "given" and resumed.policy.batch_sizes(seq).tolist() == [22, 11, 5, 1]
+    # A budget the user sets at the overhead is still their error to fix.
+    with pytest.raises(ValueError, match="step_budget_s=0.1.*Raise the budget"):
+        derive_for(cal, GRIDS, COUNTS, ProfileSettings(step_budget_s=0.1))
+
+
+def test_a_profile_whose_costs_differ_keeps_the_throughput_rule():
+    cm = CostModel("quadratic", {"a": 0.02, "c1": 1e-4, "c2": 1e-6})
+    d = derive.derive_policy(cm, GRIDS, 352, counts=COUNTS)
+    assert d.budget_source == "max predicted throughput" and d.warning == ""
+    # Within the fit's own held-out error counts as flat too: the fit cannot rank the budgets.
+    spread = float(cm.predict(22, 16)) / float(cm.predict(1, 16)) - 1
+    noisy = CostModel("quadratic", dict(cm.params), {"heldout_median_rel_error": 2 * spread})
+    assert derive.derive_policy(noisy, GRIDS, 352, counts=COUNTS).budget_source == derive.MEMORY_CAPS_SOURCE
+
+
+def test_a_flat_profile_through_the_conductor(monkeypatch):
+    """End to end: every profiled step takes 104 ms on the clock; calibrate() derives, never refuses."""
+    clock = FakeClock()
+    monkeypatch.setattr(time, "perf_counter", clock)
+
+    def make_step(b, grid):
+        def step():
+            clock.t += 0.104
+
+        return step
+
+    warned = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = calibrate(GRIDS, COUNTS, ProfileSettings(repeats=2, warmup=0, converge_rel=0.0), Trainee(make_step),
+                           key=dict(KEY), warn=warned.append)
+    assert result.profiled and result.derivation.budget_source == derive.MEMORY_CAPS_SOURCE
+    assert sum("hardly grows with the batch" in w for w in warned) == 1
+
+
+def test_key_diff_names_fields_and_both_values():
+    a = {**KEY, "device": "NVIDIA H100", "seq_lens": list(range(100))}
+    b = {**KEY, "device": "NVIDIA H200", "seq_lens": list(range(101)), "profile": 3}
+    assert key_diff(a, b) == "device, profile, seq_lens differ"
+    text = key_diff(a, b, values=True)
+    assert "device (device): 'NVIDIA H100' in the calibration, 'NVIDIA H200' in this run" in text
+    assert "profile (profile): (absent) in the calibration, 3 in this run" in text
+    assert "seq_lens (seq_lens): [0, 1, 2," in text and "..." in text and len(text) < 400
+    assert key_diff(a, a, values=True) == "same key"
+
+
+def test_a_pinned_calibration_of_another_setup_is_used_with_a_warning_naming_the_fields(tmp_path):
+    cm = CostModel("quadratic", {"a": 0.02, "c1": 1e-4, "c2": 1e-6})
+    meas = [Measurement(b, (1, 4, 4), 16, float(cm.predict(b, 16)), None, "ok", 3, 0.1) for b in (1, 22)]
+    pinned = tmp_path / "shape_benchmark.json"
+    pinned.write_text(record.Calibration({**KEY, "device": "NVIDIA H100"}, cm, meas).to_json())
+
+    def never():
+        raise AssertionError("a pinned calibration is not profiled")
+
+    warned = []
+    result = calibrate(GRIDS, COUNTS, ProfileSettings(), never, key={**KEY, "device": "NVIDIA H200"}, pinned=pinned,
+                       warn=warned.append)
+    assert result.source == f"file {pinned}" and result.calibration.cost_model == cm
+    assert len(warned) == 1
+    assert "'NVIDIA H100' in the calibration, 'NVIDIA H200' in this run" in warned[0] and "calibration=" in warned[0]
+    # The same setup: no warning.
+    warned.clear()
+    calibrate(GRIDS, COUNTS, ProfileSettings(), never, key={**KEY, "device": "NVIDIA H100"}, pinned=pinned,
+              warn=warned.append)
+    assert warned == []
