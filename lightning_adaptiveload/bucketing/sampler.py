@@ -22,6 +22,12 @@ Building a plan (all numpy, O(N) apart from one integer sort):
 Resume: the state records the epoch, the seed and, per world size the epoch has run under, the
 number of global steps taken. Loading it under another world size re-plans exactly the samples
 not yet seen (a new "segment" of the epoch); under the same world size it continues the same plan.
+
+Re-planning (:meth:`AdaptiveBucketBatchSampler.replan`): a corrected policy takes over at an agreed
+step of the epoch for the samples not planned before it, as a new segment. A segment planned with
+settings other than the current ones carries them in the state (``spec``: the batch size of every
+bucket and the predicted cost of every batch shape it planned), so its plan is rebuilt exactly on
+resume without the policy or cost model objects that made it.
 """
 
 from __future__ import annotations
@@ -245,11 +251,17 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
         self._index_shapes(shapes)
 
         self.epoch = 0
-        self._segments: list[tuple[int, int]] = []  # closed segments: (num_replicas, steps taken)
-        self._offset = 0  # steps of the active plan taken before the current iteration
+        # Closed segments: (num_replicas, steps, spec or None). `spec` (see `_spec_of`) rebuilds a segment
+        # planned with other settings than the sampler's; None: planned with the current ones.
+        self._segments: list[tuple[int, int, dict | None]] = []
+        self._position = 0  # epoch steps taken before the current iteration (closed segments included)
         self._yielded = 0  # steps yielded by the current iteration (counts prefetch too)
-        self._finished = False  # the active plan was iterated to the end
+        self._finished = False  # the epoch was iterated to the end
+        self._version = 0  # bumped whenever the segments change (the plan cache's key)
         self._cache: tuple[tuple, EpochPlan] | None = None
+        self._closed_plans: list[EpochPlan] = []
+        #: Re-plans applied in this epoch: ``(epoch step, {bucket S: (old B, new B)})`` (for reports).
+        self.replans: list[tuple[int, dict[int, tuple[int, int]]]] = []
         #: Epoch plans built so far (a plan is cached until the epoch, policy or progress changes).
         self.plans_built = 0
 
@@ -362,10 +374,27 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
     def _cost_exponent(self) -> float:
         return float(getattr(self.policy, "cost_exponent", 2.0))
 
-    def _build_plan(self, base: np.ndarray | None, num_replicas: int, segment: int) -> EpochPlan:
-        """Plan the samples ``base`` (sorted indices; ``None``: every eligible sample)."""
+    def _build_plan(self, base: np.ndarray | None, num_replicas: int, segment: int,
+                    spec: dict | None = None) -> EpochPlan:
+        """Plan the samples ``base`` (sorted indices; ``None``: every eligible sample), with the current
+        settings or those of ``spec``."""
         rng = np.random.default_rng([self.seed, self.epoch, segment])
         bs_of_bucket, degree_of_bucket = self._layout(num_replicas)
+        costs_of = None
+        if spec is not None:
+            bs_of_bucket = np.asarray(spec["batch_sizes"], dtype=np.int64)
+            table = np.asarray(spec["costs"], dtype=np.float64).reshape(-1, 3)
+            table_keys = table[:, 0].astype(np.int64) * (1 << 32) + table[:, 1].astype(np.int64)
+            order = np.argsort(table_keys)
+            table_keys, table_cost = table_keys[order], table[order, 2]
+
+            def costs_of(bucket: np.ndarray, length: np.ndarray) -> np.ndarray:
+                keys = bucket.astype(np.int64) * (1 << 32) + length.astype(np.int64)
+                pos = np.minimum(np.searchsorted(table_keys, keys), len(table_keys) - 1)
+                if len(table_keys) == 0 or not (table_keys[pos] == keys).all():
+                    raise ValueError(f"The sampler state's segment {segment} of epoch {self.epoch} has no cost for "
+                                     "some of its batches. The state does not belong to this dataset and settings.")
+                return table_cost[pos]
         if base is None:
             base = np.arange(self.num_samples, dtype=self._index_dtype)
             if self.skipped_oversize or self.sequence_parallel is not None:
@@ -391,7 +420,11 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
             within = np.arange(lo, sl.stop, dtype=np.int64) - first_batch[k]
             batch_start[sl] = first[k] + within * bsz[k]
             batch_len[sl] = np.minimum(bsz[k], counts[k] - within * bsz[k])
-            cost[sl] = batch_costs(batch_len[sl], self.bucket_seq_lens[k], self.cost_model, self._cost_exponent())
+            if costs_of is not None:
+                cost[sl] = costs_of(k, batch_len[sl])
+            else:
+                cost[sl] = batch_costs(batch_len[sl], self.bucket_seq_lens[k], self.cost_model,
+                                       self._cost_exponent())
 
         ids = np.arange(total, dtype=self._index_dtype)
         if self.shuffle:
@@ -425,30 +458,103 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
 
     def plan(self) -> EpochPlan:
         """The plan this rank iterates now: the whole epoch, or after a resume under another world
-        size the part not yet trained. Built once and cached until the epoch, the policy or the
-        progress changes."""
-        key = (self.epoch, tuple(self._segments), self.num_replicas, self.seed)
+        size or a re-plan the part not planned before. Built once and cached until the epoch, the
+        policy or the segments change."""
+        key = (self.epoch, self._version, self.num_replicas, self.seed)
         if self._cache is not None and self._cache[0] == key:
             return self._cache[1]
-        base = None
-        for i, (w, k) in enumerate(self._segments):
-            closed = self._build_plan(base, w, i)
+        base, closed_plans = None, []
+        for i, (w, k, spec) in enumerate(self._segments):
+            closed = self._build_plan(base, w, i, spec)
             if k > closed.num_steps:
                 raise ValueError(
                     f"The sampler state says {k} steps were taken in segment {i} of epoch {self.epoch} under "
                     f"{w} ranks, but that segment's plan has {closed.num_steps}. The state does not belong to "
                     "this dataset and settings."
                 )
+            closed_plans.append(closed)
             base = self._remaining_after(closed, k)
         plan = self._build_plan(base, self.num_replicas, len(self._segments))
-        if self._offset > plan.num_steps:
+        total = self._closed_steps() + plan.num_steps
+        if self._position > total:
             raise ValueError(
-                f"The sampler state says {self._offset} steps were taken in epoch {self.epoch}, but its plan "
-                f"has {plan.num_steps}. The state does not belong to this dataset and settings."
+                f"The sampler state says {self._position} steps were taken in epoch {self.epoch}, but its plan "
+                f"has {total}. The state does not belong to this dataset and settings."
             )
         self.plans_built += 1
-        self._cache = (key, plan)
+        self._cache, self._closed_plans = (key, plan), closed_plans
         return plan
+
+    def _closed_steps(self) -> int:
+        return sum(k for _, k, _ in self._segments)
+
+    def _locate(self, step: int) -> tuple[EpochPlan, int]:
+        """The plan holding epoch step ``step`` and its row there (a closed segment of this world size after
+        a re-plan, or the active plan)."""
+        plan = self.plan()
+        start = 0
+        for (w, k, _), closed in zip(self._segments, self._closed_plans, strict=True):
+            if step < start + k:
+                if w != self.num_replicas:
+                    raise RuntimeError(f"epoch step {step} lies in a segment planned for {w} ranks")
+                return closed, step - start
+            start += k
+        return plan, step - start
+
+    def _spec_of(self, plan: EpochPlan) -> dict:
+        """What rebuilds ``plan`` without the settings that made it: each bucket's batch size and the cost of
+        each (bucket, batch length) it holds."""
+        if plan.batch_degree is not None or self.sequence_parallel is not None:
+            raise ValueError("re-planning is not supported with sequence parallelism")
+        sizes = np.zeros(len(self.bucket_seq_lens), dtype=np.int64)
+        pairs = np.unique(np.stack([plan.batch_bucket.astype(np.int64), plan.batch_len.astype(np.int64)]), axis=1)
+        costs = []
+        for bucket, length in pairs.T.tolist():
+            first = int(np.flatnonzero((plan.batch_bucket == bucket) & (plan.batch_len == length))[0])
+            costs.append([bucket, length, float(plan.batch_cost[first])])
+        bs, _ = self._layout(self.num_replicas)
+        sizes[:] = bs
+        return {"batch_sizes": sizes.tolist(), "costs": costs}
+
+    def replan(self, policy: BatchSizePolicy, cost_model: CostPredictor | None, at_step: int) -> None:
+        """Plan the samples not planned before epoch step ``at_step`` with ``policy`` from that step on.
+
+        Every rank must call it with the same ``at_step`` (e.g. the largest number of steps any rank has
+        drawn: a rank that drew fewer yields the old plan up to it). The steps before ``at_step`` keep the
+        plan they had, so every sample still appears exactly once in the epoch; later epochs are planned
+        with ``policy``. The state after a re-plan rebuilds the old part from its recorded ``spec``.
+
+        Raises:
+            ValueError: ``at_step`` is before the steps this rank has drawn or after the epoch's end, or
+                the sampler uses sequence parallelism.
+        """
+        if self.sequence_parallel is not None:
+            raise ValueError(f"`{type(self).__name__}.replan` is not supported with sequence parallelism.")
+        drawn = self._drawn_steps()
+        if not drawn <= int(at_step) <= len(self):
+            raise ValueError(
+                f"`{type(self).__name__}.replan(at_step={at_step!r})` is not valid: this rank has drawn {drawn} steps "
+                f"of epoch {self.epoch}, which has {len(self)}. Expected {drawn} <= at_step <= {len(self)}."
+            )
+        active = self.plan()
+        closed = self._closed_steps()
+        frozen = [(w, k, spec if spec is not None else self._spec_of(p))
+                  for (w, k, spec), p in zip(self._segments, self._closed_plans, strict=True)]
+        old_sizes = dict(zip(self.bucket_seq_lens.tolist(), self.bucket_batch_sizes.tolist(), strict=True))
+        frozen.append((self.num_replicas, int(at_step) - closed, self._spec_of(active)))
+        self.set_policy(policy, cost_model)
+        self._segments = frozen
+        self._version += 1
+        self._cache = None
+        changed = {s: (old_sizes[s], int(b)) for s, b in zip(self.bucket_seq_lens.tolist(),
+                                                              self.bucket_batch_sizes.tolist(), strict=True)
+                   if old_sizes[s] != int(b)}
+        self.replans.append((int(at_step), changed))
+        self.plan()
+
+    def _drawn_steps(self) -> int:
+        """Epoch steps this rank has drawn (taken before this iteration plus yielded by it)."""
+        return len(self) if self._finished else self._position + self._yielded
 
     # ------------------------------------------------------------------ sampler protocol
     def set_epoch(self, epoch: int) -> None:
@@ -458,7 +564,9 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
             self._reset_progress()
 
     def _reset_progress(self) -> None:
-        self._segments, self._offset, self._yielded, self._finished = [], 0, 0, False
+        self._segments, self._position, self._yielded, self._finished = [], 0, 0, False
+        self.replans = []
+        self._version += 1
 
     @property
     def sampler(self) -> _EpochHook:
@@ -470,23 +578,25 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
 
         Lightning's loop counters continue across a resume, so they need the epoch total.
         """
-        return sum(k for _, k in self._segments) + self.plan().num_steps
+        plan = self.plan()
+        return self._closed_steps() + plan.num_steps
 
     def __iter__(self) -> Iterator[list[int]]:
         if self._finished:
             self._reset_progress()
         plan = self.plan()
-        if plan.num_steps == 0 and not self._segments:
+        if len(self) == 0:
             warnings.warn(
                 f"{type(self).__name__} plans 0 steps for {self.num_samples} samples on {self.num_replicas} "
                 "ranks: every batch was dropped to keep ranks even. Use `drop_last=False` (pads with counted "
                 "repeats) or more data.",
                 stacklevel=2,
             )
-        start, self._yielded = self._offset, 0
-        column = plan.steps[:, self.rank]
-        for s in range(start, plan.num_steps):
-            b = int(column[s])
+        self._yielded = 0
+        # Steps are located afresh each time: a re-plan between two steps changes the plans after it.
+        while self._position + self._yielded < len(self):
+            plan, row = self._locate(self._position + self._yielded)
+            b = int(plan.steps[row, self.rank])
             self._yielded += 1
             lo = int(plan.batch_start[b])
             yield plan.order[lo: lo + int(plan.batch_len[b])].tolist()
@@ -527,26 +637,27 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
                 prefetch.
         """
         plan = self.plan()
-        closed = sum(k for _, k in self._segments)
-        if steps_taken is None:
-            active = plan.num_steps if self._finished else self._offset + self._yielded
-        else:
-            active = int(steps_taken) - closed
-            if not 0 <= active <= plan.num_steps:
-                raise ValueError(
-                    f"`state_dict(steps_taken={steps_taken!r})` is not valid: this epoch has {closed} "
-                    f"steps before the current plan and {plan.num_steps} in it."
-                )
-        segments = [list(s) for s in self._segments] + [[self.num_replicas, active]]
-        return {"version": _STATE_VERSION, "epoch": self.epoch, "seed": self.seed, "segments": segments,
-                "num_samples": self.num_samples, "fingerprint": self._fingerprint(),
-                "settings": json.loads(json.dumps(self._settings(), default=str)),
-                "shapes": self.shapes_fingerprint()}
+        closed = self._closed_steps()
+        position = self._drawn_steps() if steps_taken is None else int(steps_taken)
+        if not 0 <= position <= closed + plan.num_steps:
+            raise ValueError(
+                f"`state_dict(steps_taken={steps_taken!r})` is not valid: epoch {self.epoch} has "
+                f"{closed + plan.num_steps} steps ({closed} before the current plan and {plan.num_steps} in it)."
+            )
+        segments = [[w, k] if spec is None else [w, k, spec] for w, k, spec in self._segments]
+        segments.append([self.num_replicas, max(0, position - closed)])
+        state = {"version": _STATE_VERSION, "epoch": self.epoch, "seed": self.seed, "segments": segments,
+                 "num_samples": self.num_samples, "fingerprint": self._fingerprint(),
+                 "settings": json.loads(json.dumps(self._settings(), default=str)),
+                 "shapes": self.shapes_fingerprint()}
+        if position < closed:  # inside the old plan of a re-plan that has not taken over yet
+            state["position"] = position
+        return state
 
     @property
     def steps_taken(self) -> int:
         """Global steps of the current epoch taken before this iteration (a loaded state's count)."""
-        return sum(k for _, k in self._segments) + self._offset
+        return self._position
 
     def load_state_dict(self, state: dict[str, Any], *, allow_unverified: bool = False) -> None:
         """Resume from :meth:`state_dict`, possibly saved under a different ``num_replicas``.
@@ -624,17 +735,36 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
             raise ValueError(f"The sampler state has segments={raw!r}; expected a non-empty list of [ranks, steps].")
         segments = []
         for i, seg in enumerate(raw):
-            if not isinstance(seg, (list, tuple)) or len(seg) != 2:
-                raise ValueError(f"The sampler state has segments[{i}]={seg!r}; expected [ranks, steps].")
-            segments.append((_int(f"segments[{i}][0] (ranks)", seg[0], 1), _int(f"segments[{i}][1] (steps)", seg[1], 0)))
+            last = i == len(raw) - 1
+            if not isinstance(seg, (list, tuple)) or len(seg) not in ((2,) if last else (2, 3)) or (
+                    len(seg) == 3 and not _valid_spec(seg[2], len(self.bucket_seq_lens))):
+                raise ValueError(f"The sampler state has segments[{i}]={str(seg)[:200]}; expected [ranks, steps]"
+                                 + ("" if last else " or [ranks, steps, spec]") + ".")
+            segments.append((_int(f"segments[{i}][0] (ranks)", seg[0], 1), _int(f"segments[{i}][1] (steps)", seg[1], 0),
+                             seg[2] if len(seg) == 3 else None))
+        *closed, (w, k, _) = segments
+        total = sum(s[1] for s in closed)
+        position = state.get("position", total + k)
+        if "position" in state and (k != 0 or not 0 <= _int("position", position, 0) < total):
+            raise ValueError(f"The sampler state has position={position!r} with segments={str(raw)[:200]}; expected a "
+                             f"step before the last segment's start ({total}) and no step in it.")
         self.epoch = epoch
         self._reset_progress()
-        *closed, (w, k) = segments
+        start = 0
+        for j, (wj, kj, _) in enumerate(closed):
+            if position < start + kj and any(s[0] != self.num_replicas for s in closed[j:]):
+                # Inside an old plan whose re-plan has not taken over, on another world size: that plan
+                # ends here, and the rest is planned for this world size with the current settings.
+                closed = closed[:j] + [(wj, position - start, closed[j][2])]
+                w, k = self.num_replicas, 0
+                break
+            start += kj
         if w == self.num_replicas:
-            self._segments, self._offset = closed, k
+            self._segments = closed
         else:
             # A segment that took no step consumed nothing: leave it out.
-            self._segments = closed + ([(w, k)] if k else [])
+            self._segments = closed + ([(w, k, None)] if k else [])
+        self._position = position
         self._cache = None
         # Range-check the steps against the plans they refer to now, not at the first batch.
         self.plan()
@@ -686,6 +816,15 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
         """Token grid → SP degree of its batches on this sampler's world size (1: data parallel)."""
         return {tuple(int(v) for v in g): int(k) for g, k in zip(self.bucket_grids, self.bucket_degrees, strict=True)
                 if k > 0}
+
+
+def _valid_spec(spec: Any, num_buckets: int) -> bool:
+    """A segment ``spec`` of :meth:`AdaptiveBucketBatchSampler._spec_of` for ``num_buckets`` buckets."""
+    if not isinstance(spec, dict):
+        return False
+    sizes, costs = spec.get("batch_sizes"), spec.get("costs")
+    return (isinstance(sizes, list) and len(sizes) == num_buckets and all(isinstance(b, int) and b >= 0 for b in sizes)
+            and isinstance(costs, list) and all(isinstance(c, list) and len(c) == 3 for c in costs))
 
 
 class _EpochHook:

@@ -1,18 +1,20 @@
 """LightningDataModule that feeds a dataset through the adaptive bucket batch sampler.
 
 Resume: the DataModule's ``state_dict`` (saved by Lightning in every checkpoint) carries the
-sampler state with the number of training batches actually processed in the epoch, read from the
-Trainer's loop progress at save time. DataLoader workers fetch indices ahead of training, so the
-sampler's own count would skip prefetched-but-untrained batches on resume.
+sampler state with the number of batches of the sampler's epoch actually trained. The DataModule
+counts them itself, as they reach the device in training (``on_after_batch_transfer``), less a batch
+still in its step; DataLoader workers fetch indices ahead of training, so the sampler's own count
+would skip prefetched-but-untrained batches on resume, and Lightning's batch counter restarts with
+Lightning's epochs, which are not always the sampler's (below). The state also records the loop's
+position (``loop``: Lightning's epochs and batches processed, the sampler's epoch) so that a sampler
+state is resumed only with the loop it was saved with.
 
 The sampler's epoch is not always Lightning's: ``last.ckpt`` saved when ``max_steps`` stops a run
 part-way through an epoch is written in ``on_train_epoch_end``, after the fit loop counted the epoch
 as processed, and a resume from it continues that epoch under the next epoch number. So the epoch
 to plan comes from the sampler state (its epoch, or the next one when the state's epoch was
 finished), and Lightning's later epochs map onto the sampler's with the offset found at the restore.
-Resumed without ``max_steps``, Lightning runs the rest of that epoch under its next epoch, whose batch
-counter starts at 0: the steps it does not count are added back, and saved as ``uncounted_steps`` in
-the checkpoints of that epoch.
+The length of every epoch is given to Lightning's loop as the sampler plans it (`_sync_epoch_length`).
 """
 
 from __future__ import annotations
@@ -166,10 +168,10 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         self._resume_epoch = 0
         self._empty_epoch = False  # the next train iteration yields nothing (see `_resume`)
         self._epoch_before = False  # the first epoch Lightning names after a restore is that empty one
-        # A restore mid-epoch: (sampler epoch, Lightning's epoch at the restore, steps its batch counter missed
-        # then, the sampler's steps taken). See `_uncounted_steps`.
-        self._counter_base: tuple[int, int, int, int] | None = None
+        # [sampler epoch, batches of it that reached training]: the steps a checkpoint saves (`_steps_taken`).
+        self._trained = [0, 0]
         self._pending_base = 0
+        self._pending_loop: Any = None
         self._drawn = False
         self._printed = False
         # (token grid, batch size) the sampler planned for the first batches, checked on arrival.
@@ -284,6 +286,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         if stage == "fit":
             # A new fit starts on Lightning's epochs; a checkpoint restored after this sets its own.
             self._restored, self._epoch_offset, self._empty_epoch = False, 0, False
+            self._trained = [0, 0]
             self._planned.clear()
             self._checks_left = _FIRST_BATCH_CHECKS
             self._check_collate()
@@ -306,8 +309,12 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             ) from err
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Compare the first training batches with the token grids the sampler planned for them."""
+        """Count the training batch (see `_steps_taken`) and compare the first ones with the token grids the
+        sampler planned for them."""
         trainer = self.trainer
+        if trainer is not None and trainer.training and self._sampler is not None:
+            epoch = self._sampler.epoch
+            self._trained = [epoch, self._trained[1] + 1 if self._trained[0] == epoch else 1]
         if self._planned and trainer is not None and trainer.training:
             grid, size = self._planned.popleft()
             module = trainer.lightning_module
@@ -343,35 +350,30 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
 
     # ------------------------------------------------------------------ state
     def _steps_taken(self) -> int | None:
-        trainer = self.trainer
-        if trainer is None:
+        """Batches of the sampler's epoch trained so far: those counted on arrival in training, less one
+        still in its step (Lightning's ``ready`` counts a batch once it is on the device, ``processed`` once
+        its step ran; a step checkpoint in ``on_train_batch_end`` sees them equal)."""
+        trainer, sampler = self.trainer, self._sampler
+        if trainer is None or sampler is None:
             return None
-        # `processed` counts batches whose training step ran; `completed` lags by one while
-        # `on_train_batch_end` (where step checkpoints are saved) runs.
-        return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed) + self._uncounted_steps()
-
-    def _uncounted_steps(self) -> int:
-        """Steps of the sampler's current epoch that Lightning's batch counter does not count.
-
-        A checkpoint that Lightning counts as the end of its epoch (``last.ckpt`` where ``max_steps``
-        stopped a run part-way, resumed without ``max_steps``) makes Lightning run the rest of the
-        sampler's epoch under its next epoch, whose counter starts again at 0: the steps taken before
-        the restore are missing from it, here and in every checkpoint written in that epoch (saved in the
-        state, so a resume from one of those counts them again).
-        """
-        base, trainer = self._counter_base, self.trainer
-        if base is None or trainer is None or self._sampler is None or self._sampler.epoch != base[0]:
+        epoch, count = self._trained
+        if epoch != sampler.epoch:
             return 0
-        _, lightning_epoch, missed, taken = base
-        return missed if trainer.current_epoch == lightning_epoch else taken
+        batches = trainer.fit_loop.epoch_loop.batch_progress.current
+        return count - max(0, min(1, int(batches.ready) - int(batches.processed)))
+
+    def _loop_position(self) -> dict[str, int]:
+        trainer = self.trainer
+        return {"epochs": int(trainer.fit_loop.epoch_progress.current.processed),
+                "batches": int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)}
 
     def state_dict(self) -> dict[str, Any]:
         if self._sampler is None:
             return {"sampler": self._pending_state} if self._pending_state is not None else {}
         out: dict[str, Any] = {"sampler": self._sampler.state_dict(steps_taken=self._steps_taken())}
-        uncounted = self._uncounted_steps()
-        if uncounted:
-            out["uncounted_steps"] = uncounted
+        if self.trainer is not None:
+            out["loop"] = {**self._loop_position(), "sampler_epoch": self._sampler.epoch,
+                           "sampler_steps": sum(k for _, k in out["sampler"]["segments"])}
         return out
 
     def _where(self) -> str:
@@ -406,24 +408,26 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             raise ValueError(f"Cannot resume the data order from {where}: the sampler state has epoch={epoch!r}; "
                              "expected an integer >= 0.")
         try:
-            taken = sum(int(k) for _, k in segments)
-        except (TypeError, ValueError):
+            taken = int(state["position"]) if "position" in state else sum(int(seg[1]) for seg in segments)
+        except (TypeError, ValueError, IndexError, KeyError):
             raise ValueError(f"Cannot resume the data order from {where}: the sampler state has segments={segments!r}; "
                              "expected a non-empty list of [ranks, steps].") from None
         missed, self._pending_base = self._pending_base, 0
-        if taken != trained + missed:
+        loop, self._pending_loop = self._pending_loop, None
+        if loop is not None:
+            self._check_loop(loop, epoch, taken, where)
+        elif taken != trained + missed:  # a checkpoint of an earlier release: its steps were Lightning's count
             counted = f"{trained} batches of its epoch" + (f" after {missed} it did not count" if missed else "")
             raise ValueError(
                 f"Cannot resume the data order from {where}: the sampler state has {taken} steps taken in epoch {epoch} "
                 f"but the checkpoint's loop trained {counted}; the state does not belong to this checkpoint."
             )
         self._empty_epoch = False
-        self._counter_base = None
         if mid_epoch:
             self._load_sampler_state(sampler, state)
             if len(sampler) > sampler.steps_taken:
                 self._resume_epoch = epoch
-                self._counter_base = (epoch, trainer.current_epoch, missed, taken)
+                self._trained = [epoch, taken]
             else:  # the restored plan is exhausted: the next epoch starts
                 sampler.set_epoch(epoch + 1)
                 self._resume_epoch = epoch + 1
@@ -442,6 +446,29 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         # iteration may already have run, in the workers' prefetch) runs under the one before.
         self._epoch_offset, self._epoch_before = None, self._empty_epoch
 
+    def _check_loop(self, loop: Any, epoch: int, taken: int, where: str) -> None:
+        """The sampler state resumes only with the loop position it was saved with."""
+        if not isinstance(loop, dict):
+            raise ValueError(f"Cannot resume the data order from {where}: its DataModule state has loop={loop!r}; "
+                             "expected a dict. The checkpoint is damaged; resume from another.")
+        if loop.get("sampler_epoch") != epoch:
+            raise ValueError(
+                f"Cannot resume the data order from {where}: the sampler state is for epoch {epoch} but the "
+                f"checkpoint's loop is in epoch {loop.get('sampler_epoch')!r} of the sampler; the sampler state does "
+                "not belong to this checkpoint. Resume from another checkpoint.")
+        if loop.get("sampler_steps") != taken:
+            raise ValueError(
+                f"Cannot resume the data order from {where}: the sampler state has {taken} steps taken in epoch "
+                f"{epoch} but was saved with {loop.get('sampler_steps')!r}; the sampler state does not belong to this "
+                "checkpoint. Resume from another checkpoint.")
+        now = self._loop_position()
+        differ = [f"{k}: saved {loop.get(k)!r}, restored {v}" for k, v in now.items() if loop.get(k) != v]
+        if differ:
+            raise ValueError(
+                f"Cannot resume the data order from {where}: its DataModule state was saved at another point of the "
+                f"fit loop than the checkpoint's loop ({'; '.join(differ)}); the sampler state does not belong to "
+                "this checkpoint. Resume from another checkpoint.")
+
     def _set_trainer_epoch(self, epoch: int) -> None:
         """Lightning's ``set_epoch`` (every epoch, on the loader): its epoch mapped onto the sampler's."""
         if self._epoch_offset is None:
@@ -450,6 +477,39 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             self._epoch_offset = int(epoch) + int(self._epoch_before) - self._resume_epoch
             return
         self.sampler.set_epoch(int(epoch) - self._epoch_offset)
+        self._sync_epoch_length()
+
+    def _sync_epoch_length(self) -> None:
+        """Give Lightning's fit loop the sampler's number of batches for the epoch it runs now.
+
+        Lightning reads a loader's length once, when it builds the loader (again only with
+        ``reload_dataloaders_every_n_epochs``), and ends every later epoch after that many batches. The
+        sampler's epochs differ in length after a resume on another number of ranks (the resumed epoch
+        holds the steps taken before it plus a plan for the new world size) and after a re-plan, so the
+        loop's count is set here from the sampler: ``limit_train_batches`` applied as Lightning applies it
+        (its ``_parse_num_batches``), the combined loader's limit, the fetcher's end and the validation
+        interval. Lightning has no public setter for these; they are the attributes its ``setup_data`` sets.
+        """
+        trainer, sampler = self.trainer, self._sampler
+        loop = getattr(trainer, "fit_loop", None)
+        combined = getattr(loop, "_combined_loader", None)
+        if sampler is None or combined is None or len(combined.flattened) != 1:
+            return
+        from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+        from lightning.pytorch.trainer.states import RunningStage
+
+        batches = _parse_num_batches(RunningStage.TRAINING, len(sampler), trainer.limit_train_batches)
+        if loop.max_batches == batches:
+            return
+        combined.limits = [batches]
+        loop.max_batches = batches
+        fetcher = getattr(loop, "_data_fetcher", None)
+        if fetcher is not None and fetcher.length is not None:
+            fetcher.length = batches
+            fetcher.done = fetcher.fetched >= batches
+        interval = trainer.val_check_interval
+        if isinstance(interval, float) and getattr(trainer, "_val_check_time_interval", None) is None:
+            trainer.val_check_batch = max(1, int(batches * interval))
 
     def _load_sampler_state(self, sampler: AdaptiveBucketBatchSampler, state: dict[str, Any]) -> None:
         try:
@@ -480,6 +540,7 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
                 f"uncounted_steps={missed!r}; expected an integer >= 0. The checkpoint is damaged; resume from another."
             )
         self._pending_state, self._pending_base = state, missed
+        self._pending_loop = state_dict.get("loop")
         self._restored = True
         # The loader may already exist: the Trainer built it before restoring (a strategy that restores
         # after setup, with `estimated_stepping_batches` read in `configure_optimizers`; cf. Lightning

@@ -213,11 +213,12 @@ def test_two_resumes_in_a_row_yield_exactly_the_remaining_samples(worlds):
         plan = samplers[0].plan()
         assert plan.batch_degree is not None and plan.batch_degree.max() >= 2  # S=320 trains on SP groups
         iters = [iter(s) for s in samplers]
-        remaining = plan.num_steps - samplers[0]._offset
+        steps_before = samplers[0].steps_taken
+        offset = steps_before - (len(samplers[0]) - plan.num_steps)  # steps of the current plan already taken
+        remaining = plan.num_steps - offset
         total = remaining if i == len(worlds) - 1 else remaining // 3
         per_rank = [[next(it) for _ in range(total)] for it in iters]
-        steps_before = sum(k for _, k in samplers[0]._segments) + samplers[0]._offset
-        plan_rows = plan.steps[samplers[0]._offset:samplers[0]._offset + total]
+        plan_rows = plan.steps[offset:offset + total]
 
         class _P:
             num_steps, steps, batch_degree = total, plan_rows, plan.batch_degree

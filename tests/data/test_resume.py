@@ -144,7 +144,7 @@ def test_resume_without_max_steps_from_last_ckpt_at_max_steps_then_from_its_step
     assert first.steps + second.steps == full[:e]
     for k in (e // 2 + 2, e - 1):
         ckpt = torch.load(tmp_path / f"b/step={k}.ckpt", weights_only=False)
-        assert ckpt[KEY]["sampler"]["segments"] == [[1, k]] and ckpt[KEY]["uncounted_steps"] == e // 2
+        assert ckpt[KEY]["sampler"]["segments"] == [[1, k]]
         third = _fit(tmp_path, ckpt_path=tmp_path / f"b/step={k}.ckpt", max_steps=3 * e)
         assert first.steps + second.steps[: k - e // 2] + third.steps == full
 
@@ -211,14 +211,17 @@ def _sampler_state(checkpoint: dict) -> dict:
                      id="not-a-dict"),
         pytest.param(lambda c: _sampler_state(c).update(epoch=-1), "the sampler state has epoch=-1", id="epoch-minus-1"),
         pytest.param(lambda c: _sampler_state(c).update(segments=[[1, 3]]),
-                     "has 3 steps taken in epoch 0 but the checkpoint's loop trained 5 batches", id="other-step"),
+                     "the sampler state has 3 steps taken in epoch 0 but was saved with 5", id="other-step"),
+        pytest.param(lambda c: c[KEY]["loop"].update(batches=4),
+                     r"saved at another point of the fit loop than the checkpoint's loop \(batches: saved 4, restored 5\)",
+                     id="other-loop"),
         pytest.param(lambda c: _sampler_state(c).pop("shapes"),
                      r"has no `shapes` \(written by an older release\).*AdaptiveLoadDataModule\(allow_unverified_resume=True\)",
                      id="no-shapes"),
         pytest.param(lambda c: _sampler_state(c).pop("fingerprint"), "has no `fingerprint`", id="no-fingerprint"),
         pytest.param(lambda c: c[KEY].update(uncounted_steps=-1), "has uncounted_steps=-1; expected an integer >= 0",
                      id="uncounted-minus-1"),
-        pytest.param(lambda c: c[KEY].update(uncounted_steps=2),
+        pytest.param(lambda c: [c[KEY].pop("loop"), c[KEY].update(uncounted_steps=2)],
                      "has 5 steps taken in epoch 0 but the checkpoint's loop trained 5 batches of its epoch after 2 it "
                      "did not count", id="uncounted-disagrees"),
     ],
@@ -264,3 +267,42 @@ def test_changed_dataset_at_an_epoch_boundary_plans_the_new_data(tmp_path):
     resumed = _fit(tmp_path, ckpt_path=tmp_path / "c/last.ckpt", max_epochs=2, dm=bigger)
     seen = sorted(i for batch, _ in resumed.steps for i in batch)
     assert seen == list(range(N + 8))  # the next epoch, every sample of the new data once
+
+
+# ------------------------------------------------------------------------- sequences of stops and resumes
+@pytest.mark.parametrize("saver", ["lightning", "ours"])
+def test_resumed_remainder_shorter_than_the_save_interval_ends_cleanly(tmp_path, full, saver):
+    # Resumed without max_steps from a mid-epoch last.ckpt, the run ends before its first periodic save:
+    # save_last then writes last.ckpt at the end of training, after Lightning's epoch advanced.
+    e = _steps_per_epoch()
+    cls = ModelCheckpoint if saver == "lightning" else LastStateCheckpoint
+    kw = dict(filename="{step}", save_top_k=-1, every_n_train_steps=1000, save_last=True)
+    first = _fit(tmp_path, callbacks=[LastStateCheckpoint(dirpath=tmp_path / "a", **kw)], max_steps=e // 2)
+    second = _fit(tmp_path, callbacks=[cls(dirpath=tmp_path / "b", **kw)], ckpt_path=tmp_path / "a/last.ckpt",
+                  max_epochs=3)
+    assert first.steps + second.steps == full[: 2 * e]
+    last = torch.load(tmp_path / "b/last.ckpt", weights_only=False)
+    assert last["global_step"] == 2 * e
+    third = _fit(tmp_path, ckpt_path=tmp_path / "b/last.ckpt", max_epochs=4)
+    assert first.steps + second.steps + third.steps == full
+
+
+def test_two_max_steps_stops_then_a_resume_without_max_steps(tmp_path, full):
+    e = _steps_per_epoch()
+    kw = dict(filename="{step}", save_top_k=-1, save_last=True)
+    first = _fit(tmp_path, callbacks=[LastStateCheckpoint(dirpath=tmp_path / "a", **kw)], max_steps=e // 2)
+    second = _fit(tmp_path, callbacks=[LastStateCheckpoint(dirpath=tmp_path / "b", **kw)],
+                  ckpt_path=tmp_path / "a/last.ckpt", max_steps=e // 2 + 2)
+    third = _fit(tmp_path, callbacks=[LastStateCheckpoint(dirpath=tmp_path / "c", every_n_train_steps=3, **kw)],
+                 ckpt_path=tmp_path / "b/last.ckpt", max_epochs=5)  # each max_steps stop counted an epoch
+    assert first.steps + second.steps + third.steps == full
+    for path in sorted((tmp_path / "c").glob("step=*.ckpt")):  # every periodic save resumes exactly
+        k = torch.load(path, weights_only=False)["global_step"]
+        again = _fit(tmp_path / path.stem, ckpt_path=path, max_steps=3 * e)
+        assert again.steps == full[k:], path.name
+
+
+def test_a_sampler_state_of_another_epoch_is_refused(tmp_path, mid_epoch_ckpt):
+    for delta in (1, 2):
+        ckpt = _edited(mid_epoch_ckpt, tmp_path, lambda c, d=delta: _sampler_state(c).update(epoch=d))
+        _refused(tmp_path, ckpt, f"the sampler state is for epoch {delta} but the checkpoint's loop is in epoch 0")
