@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+from typing import Any
+
 import lightning.pytorch as pl
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
@@ -22,7 +27,47 @@ class LastStateCheckpoint(ModelCheckpoint):
     the run stopped. Everything else is Lightning's. It is a
     subclass rather than a second callback so that there is one ``last.ckpt`` and one set of settings, the
     ones ``ckpt_path="last"`` finds.
+
+    ``last.ckpt`` never lags the step checkpoints: with ``save_last=True`` it is written before the
+    periodic checkpoint of the same step (Lightning writes it after, so a kill between the two left it one
+    save behind), and on a local file system it is written to ``last.ckpt.tmp`` and renamed over the old
+    one, so a kill during the write keeps the previous ``last.ckpt`` whole.
     """
+
+    _last_written_step: int | None = None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._last_written_step = None
+
+    @override
+    def _save_topk_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, Any]) -> None:
+        if self.save_last is True and self.save_top_k != 0:
+            self._save_last_checkpoint(trainer, monitor_candidates)  # first: see the class docstring
+        super()._save_topk_checkpoint(trainer, monitor_candidates)
+
+    @override
+    def _save_last_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, Any]) -> None:
+        if self.save_last is True and self._last_written_step == trainer.global_step:
+            return  # written before this step's periodic checkpoint
+        super()._save_last_checkpoint(trainer, monitor_candidates)
+        self._last_written_step = trainer.global_step
+
+    @override
+    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        last = os.path.basename(filepath).startswith(self.CHECKPOINT_NAME_LAST)
+        if not (last and self.save_last is True and _is_local_file_protocol(filepath)):
+            super()._save_checkpoint(trainer, filepath)
+            return
+        partial = f"{filepath}.tmp"
+        super()._save_checkpoint(trainer, partial)  # ends with a barrier: every rank has written its part
+        if trainer.is_global_zero:
+            if os.path.isdir(partial) and os.path.isdir(filepath):  # a sharded checkpoint: a directory
+                shutil.rmtree(filepath)
+            os.replace(partial, filepath)
+        trainer.strategy.barrier("LastStateCheckpoint.rename")
+        self._last_checkpoint_saved = filepath
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
