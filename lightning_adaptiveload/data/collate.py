@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from lightning_adaptiveload.data.bad_samples import BAD_KEY, BAD_SAMPLES_KEY, SAMPLE_WEIGHT_KEY
+
 _KEYS = ("latents", "context", "index")
 
 
@@ -30,10 +32,14 @@ def collate_batch(samples: Sequence[Mapping]) -> dict[str, torch.Tensor]:
     """Stack samples of one token grid into a batch.
 
     Args:
-        samples: dicts with ``"latents"`` ``[C, F, H, W]``, ``"context"`` ``[L, D]`` and ``"index"``.
+        samples: dicts with ``"latents"`` ``[C, F, H, W]``, ``"context"`` ``[L, D]`` and ``"index"``; a
+            sample the dataset skipped (``on_bad_sample="skip"``) also has ``"bad"``, the message naming it.
 
     Returns:
-        ``{"latents": [B, C, F, H, W], "context": [B, L, D], "index": LongTensor[B]}``.
+        ``{"latents": [B, C, F, H, W], "context": [B, L, D], "index": LongTensor[B]}``; when some sample
+        was skipped, also ``"sample_weight"`` (float32 ``[B]``, 0 for skipped samples, else 1: the loss
+        leaves them out) and ``"bad_samples"`` (their messages). Batches without skipped samples carry
+        neither key, so their loss is computed exactly as without this feature.
 
     Raises:
         ValueError: if the list is empty, a key is missing, or latents/context shapes differ (the
@@ -56,8 +62,13 @@ def collate_batch(samples: Sequence[Mapping]) -> dict[str, torch.Tensor]:
                 "A batch must hold a single token grid; check that the dataset's `token_grids()` "
                 "matches the shapes `__getitem__` returns."
             )
-    return {
+    batch = {
         "latents": torch.stack([s["latents"] for s in samples]),
         "context": torch.stack([s["context"] for s in samples]),
         "index": torch.tensor([int(s["index"]) for s in samples], dtype=torch.long),
     }
+    bad = [s.get(BAD_KEY) for s in samples]
+    if any(bad):
+        batch[SAMPLE_WEIGHT_KEY] = torch.tensor([0.0 if b else 1.0 for b in bad])
+        batch[BAD_SAMPLES_KEY] = [str(b) for b in bad if b]
+    return batch

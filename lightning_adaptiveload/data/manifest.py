@@ -17,7 +17,19 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file as load_safetensors
 from torch.utils.data import Dataset
 
-from lightning_adaptiveload._checks import ON_BAD, check_choice, check_positive_int, check_triple
+from lightning_adaptiveload._checks import (
+    ON_BAD,
+    check_choice,
+    check_positive,
+    check_positive_int,
+    check_triple,
+)
+from lightning_adaptiveload.data.bad_samples import (
+    MAX_ABS_VALUE,
+    BadSampleError,
+    skipped_sample,
+    value_problem,
+)
 from lightning_adaptiveload.data.manifest_reader import (
     KIND_LATENT,
     MAX_EXAMPLES,
@@ -78,6 +90,11 @@ class ManifestDataset(Dataset):
     A file that fails to load raises :class:`~lightning_adaptiveload.data.media.CorruptSampleError`,
     or with ``on_corrupt="skip"`` is logged, counted and replaced by the next loadable sample of the
     same token grid (so a batch stays one shape); the item keeps the requested ``"index"``.
+    Latents or a context holding NaN, Inf or values beyond ``max_abs_value`` raise
+    :class:`~lightning_adaptiveload.data.bad_samples.BadSampleError` naming the row, the file and the first
+    bad element, or with ``on_bad_sample="skip"`` come back as zeros marked ``"bad"``: the collate gives
+    them ``sample_weight`` 0, so they do not train, and the LightningModule counts and names them
+    (:mod:`lightning_adaptiveload.data.bad_samples`).
 
     Args:
         path: manifest file: ``.jsonl`` (one JSON object per line), ``.csv`` (header row) or
@@ -90,6 +107,9 @@ class ManifestDataset(Dataset):
         patch_size: DiT patch (t, h, w).
         on_bad_row: ``"error"`` or ``"skip"``, see above.
         on_corrupt: ``"error"`` or ``"skip"``, see above.
+        on_bad_sample: ``"error"`` or ``"skip"``, see above.
+        max_abs_value: the largest ``|value|`` accepted in latents and contexts (default
+            :data:`~lightning_adaptiveload.data.bad_samples.MAX_ABS_VALUE`, 1e4); ``None``: refuse only NaN/Inf.
         encoder: callable ``pixels [3, F, H, W] → latents [C, 1 + (F-1)//st, H//sh, W//sw]`` for raw
             media; it receives CPU tensors inside DataLoader workers.
         text_encoder: callable ``caption: str → [L, text_dim]`` used when a row has no embedding.
@@ -98,7 +118,8 @@ class ManifestDataset(Dataset):
         context_key: name of the text context tensor in latent and embedding files (default ``"context"``).
 
     Attributes:
-        report: :class:`ManifestReport` of skipped rows and replaced corrupt samples.
+        report: :class:`ManifestReport` of skipped rows, replaced corrupt samples and skipped bad samples
+            (the last two counted in the process that loaded them).
 
     Example::
 
@@ -119,6 +140,8 @@ class ManifestDataset(Dataset):
         patch_size: Sequence[int] = PATCH_SIZE,
         on_bad_row: str = "error",
         on_corrupt: str = "error",
+        on_bad_sample: str = "error",
+        max_abs_value: float | None = MAX_ABS_VALUE,
         encoder: Callable[[torch.Tensor], torch.Tensor] | None = None,
         text_encoder: Callable[[str], torch.Tensor] | None = None,
         check_files: bool = True,
@@ -143,6 +166,8 @@ class ManifestDataset(Dataset):
         self.patch_size = check_triple(cls, "patch_size", patch_size)
         self.on_bad_row = check_choice(cls, "on_bad_row", on_bad_row, ON_BAD)
         self.on_corrupt = check_choice(cls, "on_corrupt", on_corrupt, ON_BAD)
+        self.on_bad_sample = check_choice(cls, "on_bad_sample", on_bad_sample, ON_BAD)
+        self.max_abs_value = None if max_abs_value is None else check_positive(cls, "max_abs_value", max_abs_value)
         self.text_encoder = text_encoder
         rows = read_rows(self.path, self.root, self.vae_stride, self.patch_size, self.on_bad_row, check_files)
         self._grids, self._rows, self._paths, self._kinds = rows.grids, rows.rows, rows.paths, rows.kinds
@@ -183,6 +208,8 @@ class ManifestDataset(Dataset):
         index = int(index)
         try:
             sample = self._load(index)
+        except BadSampleError as err:
+            sample = self._bad_sample(index, err)
         except CorruptSampleError as err:
             if self.on_corrupt == "error":
                 raise CorruptSampleError(
@@ -192,6 +219,23 @@ class ManifestDataset(Dataset):
             sample = self._replacement(index, err)
         sample["index"] = index
         return sample
+
+    def _bad_sample(self, index: int, err: BadSampleError) -> dict[str, Any]:
+        message = f"{self._where(index)}: {err}"
+        if self.on_bad_sample == "error":
+            raise BadSampleError(
+                f"{message}. Re-encode the file or remove its row, or pass `on_bad_sample='skip'` to train without "
+                "such samples (each is counted and named once)."
+            ) from err
+        self.report.bad_samples += 1
+        if len(self.report.bad_sample_examples) < MAX_EXAMPLES:
+            self.report.bad_sample_examples.append(message)
+        return skipped_sample(self._latent_shape(index), (self.text_len, self.text_dim), torch.float32, index, message)
+
+    def _latent_shape(self, index: int) -> tuple[int, int, int, int]:
+        grid = self._grids[index]
+        pt, ph, pw = self.patch_size
+        return self.latent_channels, int(grid[0]) * pt, int(grid[1]) * ph, int(grid[2]) * pw
 
     def _replacement(self, index: int, err: Exception) -> dict[str, Any]:
         self._note_corrupt(index, err)
@@ -228,8 +272,7 @@ class ManifestDataset(Dataset):
     def _load(self, index: int) -> dict[str, Any]:
         path = self._resolve(self._paths[index].as_py())
         grid = self._grids[index]
-        pt, ph, pw = self.patch_size
-        expected = (self.latent_channels, int(grid[0]) * pt, int(grid[1]) * ph, int(grid[2]) * pw)
+        expected = self._latent_shape(index)
         file_context = None
         if self._kinds[index] == KIND_LATENT:
             key = self.latents_key
@@ -250,8 +293,12 @@ class ManifestDataset(Dataset):
                     f"expected {list(expected)} (latent_channels, then 1 + (F-1)//{self.vae_stride[0]} frames "
                     f"and H, W divided by {self.vae_stride[1:]}). Check `encoder` and `vae_stride`."
                 )
+        latents = latents.float().contiguous()
+        problem = value_problem("latents", latents, self.max_abs_value)
+        if problem is not None:
+            raise BadSampleError(problem if self._kinds[index] == KIND_LATENT else f"{problem} (the encoder's output)")
         context = self._context(index, file_context, path)
-        return {"latents": latents.float().contiguous(), "context": context}
+        return {"latents": latents, "context": context}
 
     def _fit_latents(self, latents: torch.Tensor, expected: tuple[int, ...], path: str) -> torch.Tensor:
         if latents.dim() == 5 and latents.shape[0] == 1:
@@ -309,6 +356,9 @@ class ManifestDataset(Dataset):
                 f"with L <= text_len={self.text_len}"
             )
         context = context.float()
+        problem = value_problem("context", context, self.max_abs_value)
+        if problem is not None:
+            raise BadSampleError(problem if source == path else f"{problem} (from {source})")
         if context.shape[0] < self.text_len:
             # Wan 2.1 zero-pads umT5 outputs to text_len the same way.
             context = torch.cat([context, context.new_zeros(self.text_len - context.shape[0], self.text_dim)])
@@ -317,5 +367,6 @@ class ManifestDataset(Dataset):
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}({str(self.path)!r}, samples={len(self)}, "
-            f"skipped_rows={self.report.num_skipped}, corrupt={self.report.corrupt})"
+            f"skipped_rows={self.report.num_skipped}, corrupt={self.report.corrupt}, "
+            f"bad_samples={self.report.bad_samples})"
         )

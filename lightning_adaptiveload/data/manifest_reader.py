@@ -58,6 +58,9 @@ class ManifestReport:
         corrupt: samples that failed to load and were replaced (``on_corrupt="skip"``). Counted
             in the process that loaded them: with DataLoader workers each worker keeps its own count.
         corrupt_examples: messages for the first few corrupt samples.
+        bad_samples: samples whose values were not finite or out of range, skipped with weight 0
+            (``on_bad_sample="skip"``); counted in the process that loaded them, like ``corrupt``.
+        bad_sample_examples: messages for the first few of them.
     """
 
     manifest: str
@@ -67,6 +70,8 @@ class ManifestReport:
     examples: list[str] = field(default_factory=list)
     corrupt: int = 0
     corrupt_examples: list[str] = field(default_factory=list)
+    bad_samples: int = 0
+    bad_sample_examples: list[str] = field(default_factory=list)
 
     @property
     def num_skipped(self) -> int:
@@ -80,6 +85,9 @@ class ManifestReport:
         if self.corrupt:
             lines.append(f"corrupt samples replaced: {self.corrupt}")
             lines += [f"  {m}" for m in self.corrupt_examples]
+        if self.bad_samples:
+            lines.append(f"bad samples skipped (weight 0): {self.bad_samples}")
+            lines += [f"  {m}" for m in self.bad_sample_examples]
         return "\n".join(lines)
 
 

@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import struct
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from time import perf_counter
 from typing import Any
@@ -30,6 +31,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
+from lightning_adaptiveload._checks import check_choice
+from lightning_adaptiveload.data.bad_samples import BAD_SAMPLES_KEY, SAMPLE_WEIGHT_KEY
 from lightning_adaptiveload.geometry import latent_of_grid, tokens_of
 from lightning_adaptiveload.models.optim import adamw, clip_gradients, use_fused_adamw
 from lightning_adaptiveload.models.wan import (
@@ -40,6 +43,7 @@ from lightning_adaptiveload.models.wan import (
 )
 
 __all__ = [
+    "ON_NONFINITE_LOSS",
     "OUTSIDE_STREAM",
     "TRAIN_STREAM",
     "RectifiedFlowModule",
@@ -53,6 +57,13 @@ __all__ = [
 # (profiling, evaluation), which must never replay or shift a training step's draws.
 TRAIN_STREAM = 0
 OUTSIDE_STREAM = 1
+
+#: What a training step whose loss is not finite does (:attr:`RectifiedFlowModule.on_nonfinite_loss`).
+ON_NONFINITE_LOSS = ("error", "skip")
+#: How many skipped samples and dropped steps one rank names in warnings; later ones are counted only.
+MAX_NAMED = 5
+#: How many samples of a batch a message names.
+_SAMPLES_SHOWN = 8
 
 
 def draw_seed(seed: int, step: int, rank: int, micro_batch: int = 0, stream: int = TRAIN_STREAM) -> int:
@@ -87,6 +98,11 @@ def rectified_flow_loss(
     ``u ~ U(0, 1)`` shifted to ``t`` (:func:`shift_timesteps`), then Gaussian ``noise``, both from
     ``generator`` (the global RNG when ``None``), in that order; ``x_t = (1 - t)·x0 + t·noise``; the
     fp32 MSE of ``predict(x_t, t · num_train_timesteps, context)`` against the velocity ``noise - x0``.
+
+    With ``batch["sample_weight"]`` (``[B]``; the collate adds it, 0 for samples the dataset skipped) the
+    loss is the weighted mean of the per-sample MSEs, so a weight-0 sample adds nothing to the loss or the
+    gradient; a batch of weight 0 only gives a loss of 0 that still runs backward (every rank then takes
+    part in the same gradient reductions). Without it, the plain MSE over the batch.
     """
     x0 = batch["latents"].float()
     b = x0.shape[0]
@@ -96,7 +112,14 @@ def rectified_flow_loss(
     tb = t.view(b, 1, 1, 1, 1)
     x_t = (1 - tb) * x0 + tb * noise
     pred = predict(x_t, t * num_train_timesteps, batch["context"])
-    return F.mse_loss(pred.float(), noise - x0)
+    weight = batch.get(SAMPLE_WEIGHT_KEY)
+    if weight is None:
+        return F.mse_loss(pred.float(), noise - x0)
+    per_sample = F.mse_loss(pred.float(), noise - x0, reduction="none").flatten(1).mean(1)
+    weight = weight.to(device=per_sample.device, dtype=per_sample.dtype)
+    total = weight.sum()
+    # A skipped sample's inputs are zeros, so its error is finite and 0 x error is 0 (0 x NaN would not be).
+    return (per_sample * weight).sum() / torch.where(total > 0, total, torch.ones_like(total))
 
 
 def _holds(check: Callable[[Any], bool], value: Any) -> bool:
@@ -173,6 +196,13 @@ class RectifiedFlowModule(pl.LightningModule):
     checkpointing_modes: tuple[str, ...] = CHECKPOINTING_MODES
     #: Whether batches with ``sp_degree > 1`` are trained (through :attr:`sequence_parallel`).
     supports_sequence_parallel: bool = False
+    #: What a training step whose loss is not finite on some rank does, decided on every rank together
+    #: before the optimizer step (one all-gather of one number and one host sync per optimizer step):
+    #: ``"error"`` (default) raises ``FloatingPointError`` naming the samples of that step, with the weights
+    #: still those of the last good step (so no NaN reaches a checkpoint); ``"skip"`` drops the step's
+    #: gradients on every rank (the optimizer leaves every parameter and its state alone), names the samples
+    #: in a warning and counts the step in :attr:`nonfinite_loss_steps`.
+    on_nonfinite_loss: str = "error"
 
     def __init__(self) -> None:
         super().__init__()
@@ -186,6 +216,14 @@ class RectifiedFlowModule(pl.LightningModule):
         # (global step, index) of the last training micro-batch: the index counts micro-batches of
         # one optimizer step under gradient accumulation.
         self._micro_batch: tuple[int, int] = (-1, 0)
+        #: Samples this rank trained past that the dataset had skipped (``on_bad_sample="skip"``: zeros
+        #: with weight 0 in the loss), counted from ``batch["bad_samples"]``, so DataLoader workers' skips too.
+        self.bad_samples = 0
+        #: Optimizer steps dropped for a non-finite loss (``on_nonfinite_loss="skip"``).
+        self.nonfinite_loss_steps = 0
+        self._named = 0  # skipped samples and dropped steps named in warnings so far
+        # (detached loss, batch["index"], (B, S)) of each micro-batch of the optimizer step under way.
+        self._step_losses: list[tuple[torch.Tensor, Any, tuple[int, int]]] = []
 
     # ------------------------------------------------------------------ subclass
     @property
@@ -502,6 +540,7 @@ class RectifiedFlowModule(pl.LightningModule):
         Timesteps, then noise, are drawn from ``generator`` (on the latents' device). Without one,
         from the stream kept apart from training (seeded by the module's seed, global step and rank),
         so calling it (profiling) neither consumes nor disturbs any training draw or the global RNG.
+        A ``batch["sample_weight"]`` weights the samples (:func:`rectified_flow_loss`).
         """
         self._require_model()
         latents, context = self._get(batch, "latents"), self._get(batch, "context")
@@ -511,8 +550,10 @@ class RectifiedFlowModule(pl.LightningModule):
             generator = self.noise_generator(latents.device, rank=rank, stream=OUTSIDE_STREAM)
         predict = self if group is None else functools.partial(self, sequence_parallel=group)
         hp = self.hparams
-        return rectified_flow_loss(predict, {"latents": latents, "context": context}, hp.timestep_shift,
-                                   hp.num_train_timesteps, generator)
+        inputs = {"latents": latents, "context": context}
+        if isinstance(batch, Mapping) and batch.get(SAMPLE_WEIGHT_KEY) is not None:
+            inputs[SAMPLE_WEIGHT_KEY] = batch[SAMPLE_WEIGHT_KEY]
+        return rectified_flow_loss(predict, inputs, hp.timestep_shift, hp.num_train_timesteps, generator)
 
     # ------------------------------------------------------------------ training
     @override
@@ -526,11 +567,14 @@ class RectifiedFlowModule(pl.LightningModule):
 
         Logged every step: ``train/loss``; from the second step of an epoch on, ``train/tokens_per_s`` and
         ``train/samples_per_s`` of the previous step, from this rank's wall time between the starts of
-        consecutive training steps (data loading included, host clock, no device sync).
+        consecutive training steps (data loading included, host clock, no device sync); once this rank has
+        met a sample the dataset skipped (``batch["bad_samples"]``), ``train/bad_samples``, its running count
+        (the first few are named in warnings). The loss is kept for the non-finite check made before the
+        optimizer step (:attr:`on_nonfinite_loss`).
         """
         start = perf_counter()
         self.check_batch(batch)
-        samples, _ = self.batch_shape(batch)
+        samples, seq_len = self.batch_shape(batch)
         group = self.sequence_parallel_group(batch)
         degree = 1 if group is None else group.degree
         if group is not None:
@@ -552,9 +596,91 @@ class RectifiedFlowModule(pl.LightningModule):
         generator = self.noise_generator(self._get(batch, "latents").device, rank=rank, micro_batch=index)
         loss = self.compute_loss(batch, generator=generator)
         self.log("train/loss", loss, prog_bar=True, batch_size=samples)
+        if index == 0:
+            self._step_losses = []
+        self._step_losses.append((loss.detach(), batch.get("index"), (samples, seq_len)))
+        skipped = batch.get(BAD_SAMPLES_KEY)
+        if skipped:
+            self._note_skipped_samples(skipped)
+        if self.bad_samples:
+            self.log("train/bad_samples", float(self.bad_samples), batch_size=samples)
         # The gradients of a group's k ranks sum to the gradient of `loss`; the data-parallel average
         # divides by all W ranks, so k × gives the batch the weight k/W of k ranks.
         return loss * degree if degree > 1 else loss
+
+    # ------------------------------------------------------------------ bad samples and non-finite losses
+    def _warn_named(self, message: str) -> None:
+        """Warn ``message`` (this rank's) for the first :data:`MAX_NAMED` events, then once that later ones are counted."""
+        self._named += 1
+        if self._named <= MAX_NAMED:
+            warnings.warn(message, stacklevel=3)
+        elif self._named == MAX_NAMED + 1:
+            warnings.warn(
+                f"`{type(self).__name__}` (rank {self.global_rank}): more skipped samples or dropped steps; from here on "
+                "they are counted (`bad_samples`, logged as train/bad_samples; `nonfinite_loss_steps`), not named.",
+                stacklevel=3,
+            )
+
+    def _note_skipped_samples(self, messages: Sequence[str]) -> None:
+        self.bad_samples += len(messages)
+        for message in messages:
+            self._warn_named(
+                f"`{type(self).__name__}` (rank {self.global_rank}, step {self.global_step}): a sample the dataset "
+                f"skipped trains with weight 0: {message}"
+            )
+
+    def _describe_samples(self, index: Any, shape: tuple[int, int]) -> str:
+        """``B=2, S=1560: dataset indices [3, 17] (manifest row 4 (a.safetensors); ...)`` for a message."""
+        head = f"B={shape[0]}, S={shape[1]}"
+        if not isinstance(index, torch.Tensor):
+            return f"{head} (the batch has no 'index')"
+        indices = [int(i) for i in index.reshape(-1).tolist()]
+        shown = indices[:_SAMPLES_SHOWN]
+        more = ", ..." if len(indices) > len(shown) else ""
+        text = f"{head}: dataset indices [{', '.join(map(str, shown))}{more}]"
+        dataset = getattr(getattr(self._trainer, "datamodule", None), "dataset", None)
+        label = getattr(dataset, "sample_label", None)
+        if callable(label) and shown and min(shown) >= 0:
+            text += f" ({'; '.join(str(label(i)) for i in shown)}{more})"
+        return text
+
+    @override
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Stop (or with ``on_nonfinite_loss="skip"`` drop) an optimizer step whose loss is not finite on some
+        rank, naming its samples, before the step can write NaN into the weights."""
+        pending, self._step_losses = self._step_losses, []
+        if not pending:
+            return
+        mode = check_choice(type(self).__name__, "on_nonfinite_loss", self.on_nonfinite_loss, ON_NONFINITE_LOSS)
+        finite = torch.isfinite(torch.stack([loss for loss, _, _ in pending]))
+        flag = (~finite.all()).to(torch.int32)
+        trainer = self._trainer
+        # Every rank decides together: the gradients are already reduced, so one rank's NaN has reached every
+        # rank's gradients, and a rank that stopped alone would leave the others waiting in the next collective.
+        flags = trainer.strategy.all_gather(flag) if trainer is not None else flag
+        bad_ranks = torch.nonzero(flags.reshape(-1)).flatten().tolist()
+        if not bad_ranks:
+            return
+        cls, rank, step = type(self).__name__, self.global_rank, self.global_step
+        if bool(flag):
+            batches = "; ".join(
+                f"micro-batch {k} (loss {float(loss):g}, {self._describe_samples(index, shape)})"
+                for k, ((loss, index, shape), ok) in enumerate(zip(pending, finite.tolist(), strict=True))
+                if not ok
+            )
+            what = f"the loss of step {step} is not finite on rank {rank}: {batches}"
+        else:
+            what = (f"the loss of step {step} is not finite on rank(s) {bad_ranks} (their messages name the "
+                    f"samples); rank {rank}'s own loss is finite")
+        if mode == "error":
+            raise FloatingPointError(
+                f"`{cls}`: {what}. The optimizer step was not taken, so the weights are still those of the last "
+                "step. Look at the model's numerics (learning rate, gradient clipping, precision) or at these samples, "
+                f"or set `{cls}.on_nonfinite_loss = 'skip'` to drop such steps and train on."
+            )
+        optimizer.zero_grad(set_to_none=True)  # the optimizer skips parameters without a gradient
+        self.nonfinite_loss_steps += 1
+        self._warn_named(f"`{cls}`: {what}; the step was dropped on every rank (`on_nonfinite_loss='skip'`).")
 
     # ------------------------------------------------------------------ optimizer
     @property

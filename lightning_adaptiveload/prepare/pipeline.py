@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_adaptiveload.data.bad_samples import MAX_ABS_VALUE, value_problem
 from lightning_adaptiveload.data.media import CorruptSampleError, load_image, load_video, resize_center_crop
 from lightning_adaptiveload.data.shards import (
     ShardWriter,
@@ -114,6 +115,7 @@ class _Chunk:
         self.writer = ShardWriter(out_dir / "shards" / f"{self.name}.tar")
         self.rows: list[dict[str, Any]] = []
         self.skips: list[dict[str, Any]] = []
+        self.encode_skips: Counter = Counter()  # skips found at encoding (decoding's are counted as they come)
         self.pending: dict[Bucket, list[dict[str, Any]]] = defaultdict(list)
 
 
@@ -261,6 +263,17 @@ class Preparer:
                     f"{bucket} expects latent {list(expected_latent)}. "
                     "Check that --vae is a Wan 2.1 VAE (stride 4x8x8) and the bucket rules' vae_stride."
                 )
+            # Checked as stored: float16 turns |x| > 65,504 into inf. A sample that would fail the training
+            # reader's value check is skipped here, counted with its reason, rather than written.
+            problem = value_problem("latents", torch.from_numpy(lat), MAX_ABS_VALUE) or value_problem(
+                "context", torch.from_numpy(ctx_np), MAX_ABS_VALUE
+            )
+            if problem is not None:
+                reason = "non-finite or out-of-range values"
+                chunk.skips.append({"row": item.row, "source": item.source, "reason": reason,
+                                    "detail": f"{item.source}: {problem} after encoding ({self.store_dtype})"})
+                chunk.encode_skips[reason] += 1
+                continue
             found = record["probe"]
             meta = {
                 "key": key,
@@ -306,6 +319,7 @@ class Preparer:
         atomic_write_bytes(parts / f"{chunk.name}.done.json", json.dumps(marker, indent=1).encode())
         result.chunks_done += 1
         result.samples += len(chunk.rows)
+        result.skipped.update(chunk.encode_skips)
 
     # ------------------------------------------------------------------ merging
     def merge(self, num_inputs: int) -> dict[str, Any]:
@@ -331,7 +345,8 @@ class Preparer:
                                    pa.array(np.full(part.num_rows, c, dtype=np.int32)))  # fmt: skip
             tables.append(part)
             skips += json.loads((self.out_dir / "parts" / f"{name}.done.json").read_text())["skipped"]
-        table = pa.concat_tables(tables) if tables else index_rows_to_table([])
+        # Parts written before the checksum column existed get nulls there (those samples read unverified).
+        table = pa.concat_tables(tables, promote_options="default") if tables else index_rows_to_table([])
         shards = [f"shards/{chunk_name(c)}.tar" for c in chunks]
         channels = sorted(set(table.column("channels").to_pylist()))
         meta = {

@@ -235,7 +235,7 @@ def test_compact_columns_and_widening_on_the_row_that_needs_it(tmp_path):
     index = write_corpus(tmp_path)
     ds = ShardedLatentDataset(index)
     kept = [v for k, v in vars(ds).items() if k.startswith("_") and isinstance(v, np.ndarray)]
-    assert sum(a.nbytes for a in kept) == 26 * len(ds)  # block starts (uint32) and int16 grids
+    assert sum(a.nbytes for a in kept) == 30 * len(ds)  # block starts (uint32), int16 grids, uint32 checksums
     assert ds._start.dtype == np.uint32 and ds._start_unit == 512 and ds.token_grids().dtype == np.int16
 
     # Shard 2 (samples 20-23) moved 7 bytes into its file: not a tar's block offsets any more.
