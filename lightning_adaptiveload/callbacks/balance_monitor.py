@@ -49,7 +49,9 @@ from lightning_adaptiveload.bucketing.sequence_parallel import sp_cost_function
 from lightning_adaptiveload.geometry import tokens_of
 
 _FIELDS = ("step_time", "forward_time", "compute", "tokens", "peak_mem", "flops", "data_wait", "alloc_retries",
-           "device_allocs", "sm_clock_mhz", "power_w", "loss_finite")
+           "device_allocs", "sm_clock_mhz", "power_w", "loss_finite", "batch_size", "seq_len")
+# Per batch shape, the training step times kept for `observations` (their medians; the most recent ones).
+_SHAPE_SAMPLES = 256
 # Dense bf16 peaks (TFLOP/s) of GPUs that Lightning's `get_available_flops` does not give (Lightning 2.6):
 # for the name "NVIDIA H200" it warns "FLOPs not found" and returns None (it knows only "h200 sxm1" /
 # "h200 nvl1", and their bf16 entries, 2,000 / 1,700 TFLOP/s, are the with-sparsity figures). The H200 has
@@ -237,6 +239,10 @@ class BalanceMonitor(Callback):
         # This rank's counted steps per batch shape (B, S): [steps, step time, predicted compute, FLOPs,
         # device allocations, slowest step] (sums, the last a maximum).
         self._shape_sums: dict[tuple[int, int], np.ndarray] = {}
+        # Every rank's counted steps per data-parallel batch shape: what a step of it cost training (the
+        # step plus the wait before it; the slowest rank of the step that had the shape), the last few.
+        self._shape_cycles: dict[tuple[int, int], deque[float]] = {}
+        self._shape_counts: dict[tuple[int, int], int] = {}
 
     def _now(self, device: torch.device) -> float:
         if self.synchronize and device.type == "cuda":
@@ -330,7 +336,8 @@ class BalanceMonitor(Callback):
             except Exception:  # noqa: BLE001 - a failed NVML read loses one sample, never the step
                 pass
         local = torch.tensor([step_time, forward_time, self._predicted_compute(b, s, degree), float(b * s) / degree,
-                              float(peak), flops, self._wait, retries, device_allocs, clock, power, 1.0],
+                              float(peak), flops, self._wait, retries, device_allocs, clock, power, 1.0,
+                              float(b) if degree == 1 else 0.0, float(s)],
                              dtype=torch.float64, device=pl_module.device)
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         if isinstance(loss, torch.Tensor):
@@ -367,16 +374,39 @@ class BalanceMonitor(Callback):
             sums[:5] += (1.0, step_time, float(local[2]), flops, device_allocs)
             sums[5] = max(sums[5], step_time)
             self._shape_sums[key] = sums
+            self._observe(rows)
         if (batch_idx + 1) % self.log_every_n_steps == 0:
             pl_module.log_dict(self.last_metrics, on_step=True, on_epoch=False, rank_zero_only=True)
         # The gap to the next batch starts here: this callback's own gather is not data wait.
         self._t_end = time.perf_counter()
 
+    def _observe(self, rows: np.ndarray) -> None:
+        """Per data-parallel batch shape of the step, the slowest rank's step plus the wait before it."""
+        cycle = rows[:, 0] + rows[:, 6]
+        shapes = rows[:, 12:14].astype(np.int64)
+        for b, s in {tuple(v) for v in shapes.tolist() if v[0] > 0}:
+            mine = (shapes[:, 0] == b) & (shapes[:, 1] == s)
+            key = (int(b), int(s))
+            self._shape_cycles.setdefault(key, deque(maxlen=_SHAPE_SAMPLES)).append(float(cycle[mine].max()))
+            self._shape_counts[key] = self._shape_counts.get(key, 0) + 1
+
+    def observations(self, min_steps: int = 3) -> list[tuple[int, int, float, int]]:
+        """``(B, S, median seconds, steps)`` per batch shape trained at least ``min_steps`` counted steps:
+        what a step of that shape cost training, over all ranks (each step's slowest rank with that shape),
+        from the start of its step to its end plus the wait before it (the loader's hand-over, the other
+        callbacks and logging). The same on every rank. Sequence-parallel batches are left out."""
+        return [(b, s, float(np.median(self._shape_cycles[(b, s)])), n)
+                for (b, s), n in sorted(self._shape_counts.items()) if n >= min_steps]
+
+    def set_cost_model(self, cost_model: CostPredictor | None) -> None:
+        """Predict compute with ``cost_model`` from the next step on (a corrected calibration's)."""
+        self._active_cost_model = cost_model
+
     def _accumulate(self, rows: np.ndarray, counted: bool = True) -> None:
         if self._per_rank_sum.shape[0] != rows.shape[0]:
             self._reset_totals(rows.shape[0])
-        t, fwd, comp, tokens, peak, flops, wait, retries, device_allocs, clock, power, _ = (
-            rows[:, i] for i in range(len(_FIELDS)))
+        t, fwd, comp, tokens, peak, flops, wait, retries, device_allocs, clock, power = (
+            rows[:, i] for i in range(11))
         max_t = float(t.max())
         metrics = {
             "balance/step_time_cv": float(sync_overhead(t)),
@@ -449,14 +479,18 @@ class BalanceMonitor(Callback):
 
     def per_shape(self) -> list[dict[str, float]]:
         """This rank's counted steps per batch shape, largest S first: ``B``, ``S``, ``steps``, mean
-        ``step_s``, mean ``predicted`` compute (the cost model's seconds when there is one), ``measured_over_predicted``
-        (mean step time over mean prediction), ``tokens_per_s``, ``mfu`` (when the module counts FLOPs),
-        ``slowest_step_s`` and ``device_allocs`` (the caching allocator's device allocations and frees during
-        those steps: a shape whose steps map new memory is slower than its profile for that reason).
+        ``step_s``, ``cycle_s`` (what a step of the shape cost training: the median over all ranks of the
+        step plus the wait before it, see :meth:`observations`), ``predicted`` (the current cost model's
+        seconds for the shape; its mean compute over the steps without a cost model or for a
+        sequence-parallel shape), ``measured_over_predicted`` (``cycle_s`` over ``predicted``; mean step time
+        over mean prediction where there is no ``cycle_s``), ``tokens_per_s``, ``mfu`` (when the module counts
+        FLOPs), ``slowest_step_s`` and ``device_allocs`` (the caching allocator's device allocations and frees
+        during those steps: a shape whose steps map new memory is slower than its profile for that reason).
 
-        With a fitted cost model this is how far training steps are from what the shape benchmark
-        measured for the same shape: a ratio above 1 is time the profile did not see (the optimizer
-        step, host gaps, a slower clock under sustained load).
+        With a fitted cost model this is how far training steps are from what the cost model predicts for
+        the same shape: a ratio above 1 is time the profile did not see (the optimizer step, host gaps, a
+        slower clock under sustained load) until the closed loop corrects the model
+        (``ShapeBenchmarkCallback(closed_loop=True)``), after which it is the corrected model's error.
         """
         out = []
         for (b, s), (n, t, pred, flops, allocs, slowest) in sorted(self._shape_sums.items(),
@@ -464,6 +498,12 @@ class BalanceMonitor(Callback):
             row = {"B": b, "S": s, "steps": int(n), "step_s": t / n, "predicted": pred / n,
                    "measured_over_predicted": t / pred if pred > 0 else float("nan"), "tokens_per_s": n * b * s / t,
                    "slowest_step_s": slowest, "device_allocs": int(allocs)}
+            cycles = self._shape_cycles.get((b, s))
+            if cycles:
+                row["cycle_s"] = float(np.median(cycles))
+                if self._active_cost_model is not None:
+                    row["predicted"] = float(self._active_cost_model.predict(b, s))
+                    row["measured_over_predicted"] = row["cycle_s"] / row["predicted"]
             if flops > 0 and self._peak_tflops:
                 row["mfu"] = flops / t / 1e12 / self._peak_tflops
             out.append(row)
@@ -548,12 +588,13 @@ class BalanceMonitor(Callback):
         if len(shapes) > 1 or self._active_cost_model is not None:
             unit = "s" if self._active_cost_model is not None else f"B·S^{self.p:g}"
             by_shape = Table(title="Per batch shape (rank 0)")
-            for col in ("B", "S", "steps", "mean step s", f"predicted {unit}", "measured / predicted", "tokens/s", "MFU"):
+            for col in ("B", "S", "steps", "mean step s", "step + wait s", f"predicted {unit}", "measured / predicted",
+                        "tokens/s", "MFU"):
                 by_shape.add_column(col, justify="right")
             for row in shapes:
                 ratio = row["measured_over_predicted"] if self._active_cost_model is not None else float("nan")
                 by_shape.add_row(str(row["B"]), f"{row['S']:,}", str(row["steps"]), f"{row['step_s']:.4f}",
-                                 f"{row['predicted']:.4g}", "-" if np.isnan(ratio) else f"{ratio:.3f}",
+                                 f"{row['cycle_s']:.4f}" if "cycle_s" in row else "-", f"{row['predicted']:.4g}", "-" if np.isnan(ratio) else f"{ratio:.3f}",
                                  f"{row['tokens_per_s']:,.0f}", f"{row['mfu']:.1%}" if "mfu" in row else "-")
             console.print(by_shape)
             # The shapes whose steps mapped device memory, with their slowest step: a one-off cost (the first

@@ -65,8 +65,8 @@ def test_gathered_rows_give_paper_metrics():
     # two ranks: step times 1 s and 3 s, predicted compute 2 and 6, tokens 10 and 30, no FLOPs counted
     # data wait 1 s before rank 0's step and 0.5 s before rank 1's
     # ... SM clocks 1,800 and 1,700 MHz, power 600 and 690 W
-    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 1.0, 0.0, 5.0, 1800.0, 600.0, 1.0],
-                                  [3.0, 1.5, 6.0, 30.0, 2**30, 0.0, 0.5, 2.0, 1.0, 1700.0, 690.0, 1.0]]))
+    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 1.0, 0.0, 5.0, 1800.0, 600.0, 1.0, 2.0, 5.0],
+                                  [3.0, 1.5, 6.0, 30.0, 2**30, 0.0, 0.5, 2.0, 1.0, 1700.0, 690.0, 1.0, 2.0, 5.0]]))
     m = monitor.last_metrics
     assert m["balance/step_time_cv"] == pytest.approx(0.5)
     assert m["balance/forward_time_cv"] == pytest.approx(0.5)
@@ -80,8 +80,8 @@ def test_gathered_rows_give_paper_metrics():
     assert m["balance/alloc_retries"] == 2.0 and m["balance/device_allocs"] == 5.0  # the most on any rank
     # The slowest clock and the highest draw over ranks.
     assert m["balance/sm_clock_mhz"] == 1700.0 and m["balance/power_w"] == 690.0
-    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1900.0, 500.0, 1.0],
-                                  [3.0, 1.5, 6.0, 30.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1750.0, 650.0, 1.0]]))
+    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1900.0, 500.0, 1.0, 2.0, 5.0],
+                                  [3.0, 1.5, 6.0, 30.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1750.0, 650.0, 1.0, 2.0, 5.0]]))
     assert monitor.last_metrics["train/data_wait_frac"] == pytest.approx(0.25)
     # over the run, per rank: rank 0 1 s of 3 s, rank 1 1.5 s of 7.5 s -> the larger
     s = monitor.summary()
@@ -90,8 +90,8 @@ def test_gathered_rows_give_paper_metrics():
     assert s["sm_clock_mhz"] == pytest.approx(1725.0) and s["power_w"] == pytest.approx(670.0)
     # A sample that could not be read (NaN) leaves that step's metric out and the run means unchanged.
     nan = float("nan")
-    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2000.0, 100.0, 1.0],
-                                  [3.0, 1.5, 6.0, 30.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0]]))
+    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2000.0, 100.0, 1.0, 2.0, 5.0],
+                                  [3.0, 1.5, 6.0, 30.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0]]))
     assert "balance/sm_clock_mhz" not in monitor.last_metrics
     s = monitor.summary()
     assert s["sm_clock_mhz"] == pytest.approx(1725.0)  # rank 1 over its 2 samples; rank 0's mean is 1,900
@@ -101,7 +101,7 @@ def test_gathered_rows_give_paper_metrics():
 def test_clock_and_power_are_left_out_when_not_measured():
     monitor = BalanceMonitor()
     nan = float("nan")
-    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0]]))
+    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0]]))
     assert "balance/sm_clock_mhz" not in monitor.last_metrics and "sm_clock_mhz" not in monitor.summary()
 
 
@@ -346,12 +346,16 @@ def test_per_shape_report_compares_training_steps_with_the_cost_model(tmp_path, 
     assert [(r["B"], r["S"], r["steps"]) for r in rows] == [(1, 24, 3), (3, 12, 3)]
     assert [r["step_s"] for r in rows] == pytest.approx([3.0, 3.0])
     assert [r["predicted"] for r in rows] == pytest.approx([1.2, 1.8])
-    assert [r["measured_over_predicted"] for r in rows] == pytest.approx([2.5, 3.0 / 1.8])
+    # What a step cost training: the 3 s step and the 7 s wait before it, against the model's prediction.
+    assert [r["cycle_s"] for r in rows] == pytest.approx([10.0, 10.0])
+    assert [r["measured_over_predicted"] for r in rows] == pytest.approx([10.0 / 1.2, 10.0 / 1.8])
+    assert monitor.observations(min_steps=3) == [(1, 24, pytest.approx(10.0), 3), (3, 12, pytest.approx(10.0), 3)]
+    assert monitor.observations(min_steps=4) == []
     assert [r["tokens_per_s"] for r in rows] == pytest.approx([8.0, 12.0])
     # 1e12 FLOPs per token: 24 TFLOP in 3 s -> 8 TFLOP/s of 100; 36 TFLOP -> 12%.
     assert [r["mfu"] for r in rows] == pytest.approx([0.08, 0.12])
     out = " ".join(capsys.readouterr().out.split())
-    assert "Per batch shape (rank 0)" in out and "2.500" in out and "1.667" in out
+    assert "Per batch shape (rank 0)" in out and "8.333" in out and "5.556" in out
     assert "allocations per shape" not in out  # shown only where steps made device allocations
 
 
@@ -430,8 +434,8 @@ def test_epoch_estimate_spreads_the_epoch_over_the_ranks_and_keeps_the_bubble():
     monitor = BalanceMonitor(cost_model=SimpleNamespace(predict=lambda b, s: 1.0))
     # Two ranks, one counted step: 2 s and 4 s (bubble 1 - 3/4), B=1 x S=8 on this rank.
     nan = float("nan")  # no clock or power (CPU)
-    monitor._accumulate(np.array([[2.0, 1.0, 1.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0],
-                                  [4.0, 1.0, 1.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0]]))
+    monitor._accumulate(np.array([[2.0, 1.0, 1.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0],
+                                  [4.0, 1.0, 1.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0]]))
     monitor._shape_sums[(1, 8)] = np.array([1.0, 2.0, 1.0, 0.0, 0.0, 2.0])
     e = monitor.epoch_estimate([{"seq_len": 8, "batch_size": 1, "batches": 6},
                                 {"seq_len": 16, "batch_size": 1, "batches": 2, "sp_degree": 2}])
@@ -473,9 +477,9 @@ def test_history_keeps_the_last_steps_and_the_means_all_of_them():
     monitor = BalanceMonitor(history_steps=2)
     nan = float("nan")
     for t in (1.0, 2.0, 3.0, 4.0):
-        monitor._accumulate(np.array([[t, t, t, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0]]))
+        monitor._accumulate(np.array([[t, t, t, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0]]))
     assert [row[0][0] for row in monitor.history] == [3.0, 4.0]
     assert monitor.summary()["steps"] == 4.0 and monitor.summary()["tokens_per_s"] == pytest.approx(40.0 / 10.0)
     none = BalanceMonitor(history_steps=0)
-    none._accumulate(np.array([[1.0, 1.0, 1.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0]]))
+    none._accumulate(np.array([[1.0, 1.0, 1.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0]]))
     assert len(none.history) == 0 and none.summary()["steps"] == 1.0
