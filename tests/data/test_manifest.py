@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from lightning_adaptiveload.data.bad_samples import BadSampleError
 from lightning_adaptiveload.data.collate import collate_batch
 from lightning_adaptiveload.data.manifest import ManifestDataset, read_manifest_shapes
 from lightning_adaptiveload.data.media import (
@@ -305,6 +306,79 @@ def test_corrupt_latents_error_and_skip(tmp_path):
     assert batch["latents"].shape == (4, 16, 1, 8, 8)
 
 
+def _bad_value_corpus(tmp_path):
+    """Row 1 good; rows 2-4 latents holding NaN, Inf, 1e30; rows 5-6 a NaN context (embedding file, latent file)."""
+    good = save_latents(tmp_path / "good.safetensors", (16, 1, 8, 8))
+    for name, value in (("nan", float("nan")), ("inf", float("inf")), ("huge", 1e30)):
+        latents = good.clone()
+        latents[3, 0, 2, 5] = value
+        save_file({"latents": latents}, str(tmp_path / f"{name}.safetensors"))
+    context = torch.zeros(4, 8)
+    context[1, 7] = float("nan")
+    save_file({"context": context}, str(tmp_path / "nan_emb.safetensors"))
+    save_file({"latents": good, "context": context}, str(tmp_path / "nan_ctx.safetensors"))
+    rows = [row("good.safetensors"), row("nan.safetensors"), row("inf.safetensors"), row("huge.safetensors"),
+            row("good.safetensors", text_embedding="nan_emb.safetensors"), row("nan_ctx.safetensors")]
+    return write_manifest(tmp_path, rows), good
+
+
+@pytest.mark.parametrize("index, message", [
+    (1, r"manifest row 2 \(nan.safetensors\): latents \[16, 1, 8, 8\] hold 1 NaN value\(s\), the first at \[3, 0, 2, 5\]"),
+    (2, r"manifest row 3 \(inf.safetensors\): latents \[16, 1, 8, 8\] hold 1 Inf value\(s\), the first at \[3, 0, 2, 5\]"),
+    (3, r"manifest row 4 \(huge.safetensors\): latents \[16, 1, 8, 8\] hold 1 value\(s\) with \|x\| > 10000 "
+        r"\(max \|x\| = 1e\+30\)"),
+    (4, r"manifest row 5 \(good.safetensors\): context \[4, 8\] hold 1 NaN value\(s\), the first at \[1, 7\] "
+        r"\(from .*nan_emb.safetensors\)"),
+    (5, r"manifest row 6 \(nan_ctx.safetensors\): context \[4, 8\] hold 1 NaN value\(s\), the first at \[1, 7\]\. "),
+])
+def test_nonfinite_or_absurd_values_raise_one_line_naming_row_and_file(tmp_path, index, message):
+    path, _ = _bad_value_corpus(tmp_path)
+    ds = ManifestDataset(path, **TEXT)
+    with pytest.raises(BadSampleError, match=message) as err:
+        ds[index]
+    text = str(err.value)
+    assert "\n" not in text and text.endswith("or pass `on_bad_sample='skip'` to train without such samples (each "
+                                                "is counted and named once).")
+    assert isinstance(err.value, CorruptSampleError)  # callers catching corrupt samples catch these too
+    assert ds[0]["latents"].isfinite().all()  # the good row still loads
+
+
+def test_bad_values_with_skip_come_back_as_zeros_marked_bad_and_are_counted(tmp_path):
+    path, good = _bad_value_corpus(tmp_path)
+    ds = ManifestDataset(path, on_bad_sample="skip", **TEXT)
+    items = [ds[i] for i in range(len(ds))]
+    assert "bad" not in items[0] and torch.equal(items[0]["latents"], good)
+    for i, item in enumerate(items[1:], start=1):
+        assert item["index"] == i and f"manifest row {i + 1} (" in item["bad"]
+        assert item["latents"].shape == (16, 1, 8, 8) and not item["latents"].any()
+        assert item["context"].shape == (6, 8) and not item["context"].any()
+    assert ds.report.bad_samples == 5 and len(ds.report.bad_sample_examples) == 5
+    assert "bad samples skipped (weight 0): 5" in str(ds.report) and "bad_samples=5" in repr(ds)
+
+    batch = collate_batch(items[:3])
+    assert batch["sample_weight"].tolist() == [1.0, 0.0, 0.0]
+    assert batch["bad_samples"] == [items[1]["bad"], items[2]["bad"]]
+    assert set(collate_batch([items[0], items[0]])) == {"latents", "context", "index"}  # no skips: no extra keys
+
+
+def test_max_abs_value_is_the_bound_and_none_refuses_only_nan_and_inf(tmp_path):
+    path, _ = _bad_value_corpus(tmp_path)
+    assert ManifestDataset(path, max_abs_value=None, **TEXT)[3]["latents"].max() == 1e30
+    with pytest.raises(BadSampleError, match="NaN"):
+        ManifestDataset(path, max_abs_value=None, **TEXT)[1]
+    big = save_latents(tmp_path / "big.safetensors", (16, 1, 8, 8)) * 1e4  # |x| up to ~4e4
+    save_file({"latents": big}, str(tmp_path / "big.safetensors"))
+    ds = ManifestDataset(write_manifest(tmp_path, [row("big.safetensors")], name="big"), max_abs_value=1e6, **TEXT)
+    torch.testing.assert_close(ds[0]["latents"], big)
+    with pytest.raises(BadSampleError, match=r"with \|x\| > 1000 "):
+        ManifestDataset(ds.path, max_abs_value=1e3, **TEXT)[0]
+    for bad in (0, -1.0, float("nan"), "1e4"):
+        with pytest.raises(ValueError, match=rf"`ManifestDataset\(max_abs_value={bad!r}\)` is not valid"):
+            ManifestDataset(ds.path, max_abs_value=bad, **TEXT)
+    with pytest.raises(ValueError, match=r"`ManifestDataset\(on_bad_sample='drop'\)` is not valid"):
+        ManifestDataset(ds.path, on_bad_sample="drop", **TEXT)
+
+
 def test_corrupt_grid_with_no_replacement(tmp_path):
     (tmp_path / "bad.png").write_bytes(b"not a png")
     (tmp_path / "bad.mp4").write_bytes(b"not an mp4")
@@ -491,3 +565,24 @@ def test_latent_shape_columns_and_tensor_keys(tmp_path):
     media.write_text(json.dumps({"path": "clip.mp4", "latent_frames": 1, "latent_height": 2, "latent_width": 2}))
     with pytest.raises(ValueError, match=r"manifest row 1 \(clip.mp4\): a raw image/video needs num_frames"):
         read_manifest_shapes(media)
+
+
+def test_hydra_manifest_config_passes_on_bad_sample_and_max_abs_value(tmp_path):
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.utils import instantiate
+
+    path, _ = _bad_value_corpus(tmp_path)
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="lightning_adaptiveload.conf", version_base="1.3"):
+        default = compose(config_name="train", overrides=["data=manifest", f"data.dataset.path={path}"])
+        skipping = compose(config_name="train", overrides=["data=manifest", f"data.dataset.path={path}",
+                                                           "data.dataset.on_bad_sample=skip",
+                                                           "data.dataset.max_abs_value=1e31"])
+    model = {"vae_stride": (4, 8, 8), "patch_size": (1, 2, 2), **TEXT}  # what adaptiveload-train takes from the model
+    ds = instantiate(default.data.dataset, **model)
+    assert (ds.on_bad_sample, ds.max_abs_value) == ("error", 1e4)
+    with pytest.raises(BadSampleError, match="manifest row 4"):
+        ds[3]
+    ds = instantiate(skipping.data.dataset, **model)
+    assert "bad" not in ds[3] and "bad" in ds[1]  # 1e30 is within 1e31; NaN never is

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -16,6 +17,8 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_adaptiveload.bucketing.policy import DualConstraintPolicy
+from lightning_adaptiveload.data.bad_samples import BadSampleError
+from lightning_adaptiveload.data.collate import collate_batch
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
 from lightning_adaptiveload.data.media import CorruptSampleError
 from lightning_adaptiveload.data.shards import (
@@ -204,9 +207,15 @@ def test_hydra_config_composes_and_instantiates(corpus):
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="lightning_adaptiveload.conf", version_base="1.3"):
         cfg = compose(config_name="train", overrides=["data=shards", f"data.dataset.path={corpus}"])
+        skipping = compose(config_name="train", overrides=["data=shards", f"data.dataset.path={corpus}",
+                                                           "data.dataset.on_bad_sample=skip",
+                                                           "data.dataset.max_abs_value=null"])
     assert cfg.data.datamodule.num_workers == 2 and cfg.data.datamodule.pin_memory is False
     ds = instantiate(cfg.data.dataset, text_len=TEXT_LEN, text_dim=TEXT_DIM)
     assert isinstance(ds, ShardedLatentDataset) and len(ds) == 24
+    assert (ds.on_bad_sample, ds.max_abs_value) == ("error", 1e4)
+    ds = instantiate(skipping.data.dataset, text_len=TEXT_LEN, text_dim=TEXT_DIM)
+    assert (ds.on_bad_sample, ds.max_abs_value) == ("skip", None)
     assert json.loads(json.dumps(ds.metadata))["shards"][0] == "shards/shard-000000.tar"
 
 
@@ -258,3 +267,112 @@ def test_compact_columns_and_widening_on_the_row_that_needs_it(tmp_path):
     assert [tuple(g) for g in grids[:23]] == [_sample(i)[0] for i in range(23)]  # rows before the widening kept
     for i in range(24):  # every sample still reads back, the moved ones at their new offsets
         torch.testing.assert_close(ds[i]["latents"], torch.from_numpy(_sample(i)[1]).float())
+
+
+# ------------------------------------------------------------------ checksums and bad values
+def _flip_bit(index: Path, i: int, member: str, at: int) -> Path:
+    """Flip the lowest bit of byte ``at`` of sample ``i``'s ``member`` (negative: from its end) in its shard."""
+    row = pq.read_table(index).to_pylist()[i]
+    tar = index.parent / row["shard"]
+    pos = row[f"{member}_offset"] + (at if at >= 0 else row[f"{member}_size"] + at)
+    data = bytearray(tar.read_bytes())
+    data[pos] ^= 1
+    tar.write_bytes(bytes(data))
+    return tar
+
+
+@pytest.mark.parametrize("member, at", [("latents", -1), ("context", -1), ("latents", 20)],
+                         ids=["latents payload", "context payload", "npy header"])
+def test_a_flipped_bit_fails_the_checksum_naming_shard_and_sample(corpus, member, at):
+    tar = _flip_bit(corpus, 13, member, at)
+    ds = ShardedLatentDataset(corpus)
+    assert ds.report.unverified_rows == 0
+    with pytest.raises(BadSampleError) as err:
+        ds[13]
+    text = str(err.value)
+    assert "\n" not in text
+    assert text.startswith(f"shard {tar}, sample '000000013' (dataset index 13): bytes ")
+    assert "the shard changed after it was written (a flipped bit or an overwritten file)" in text
+    assert f"Delete {tar} and re-run `adaptiveload-prepare` with the same inputs and output folder" in text
+    assert "`on_bad_sample='skip'`" in text
+    for i in (12, 14, 3, 23):  # every other sample still reads back exactly
+        torch.testing.assert_close(ds[i]["latents"], torch.from_numpy(_sample(i)[1]).float(), rtol=0, atol=0)
+
+
+def test_a_flipped_bit_with_skip_comes_back_as_zeros_marked_bad(corpus):
+    _flip_bit(corpus, 13, "latents", 20)  # a header flip: the bytes cannot be parsed, the shape comes from the index
+    ds = ShardedLatentDataset(corpus, on_bad_sample="skip", dtype="bfloat16")
+    item = ds[13]
+    assert item["index"] == 13 and "sample '000000013'" in item["bad"] and "CRC-32" in item["bad"]
+    assert item["latents"].shape == _sample(13)[1].shape and not item["latents"].any()
+    assert item["latents"].dtype == torch.bfloat16 and item["context"].shape == (TEXT_LEN, TEXT_DIM)
+    assert ds.report.bad_samples == 1 and "bad samples skipped (weight 0): 1" in str(ds.report)
+    assert "bad" not in ds[16]  # same token grid, unharmed
+
+
+def _without_checksums(index: Path, rows=None) -> None:
+    """The index as written before checksums: no column (``rows`` None), or nulls in those rows (merged parts)."""
+    import pyarrow as pa
+
+    def edit(table):
+        if rows is None:
+            return table.drop_columns(["checksum"])
+        values = [None if i in rows else v for i, v in enumerate(table["checksum"].to_pylist())]
+        return table.set_column(table.schema.get_field_index("checksum"), "checksum", pa.array(values, pa.uint32()))
+
+    _rewrite_index(index, edit)
+
+
+def test_an_index_without_checksums_loads_unverified_with_a_note(corpus):
+    _without_checksums(corpus)
+    with pytest.warns(UserWarning, match=r"24 of 24 samples have no checksum in the index .* reads are unverified"):
+        ds = ShardedLatentDataset(corpus)
+    assert ds.report.unverified_rows == 24 and "24 samples without a checksum" in str(ds.report)
+    for i in (0, 13, 23):
+        torch.testing.assert_close(ds[i]["latents"], torch.from_numpy(_sample(i)[1]).float(), rtol=0, atol=0)
+    _flip_bit(corpus, 13, "latents", -1)
+    assert "bad" not in ShardedLatentDataset(corpus)[13]  # what "unverified" means: the flip goes unseen
+
+
+def test_rows_without_a_checksum_are_unverified_and_the_rest_verified(corpus):
+    _without_checksums(corpus, rows=set(range(10)))  # shard 0's part was written before checksums
+    with pytest.warns(UserWarning, match="10 of 24 samples have no checksum"):
+        ds = ShardedLatentDataset(corpus)
+    assert ds.report.unverified_rows == 10
+    _flip_bit(corpus, 3, "latents", -1)
+    _flip_bit(corpus, 13, "latents", -1)
+    ds[3]
+    with pytest.raises(BadSampleError, match="sample '000000013'"):
+        ds[13]
+
+
+@pytest.mark.parametrize("what, where, value, message", [
+    ("latents", (1, 0, 2, 3), np.nan, r"latents \[4, 1, 4, 4\] hold 1 NaN value\(s\), the first at \[1, 0, 2, 3\]"),
+    ("latents", (0, 0, 0, 0), np.inf, r"latents \[4, 1, 4, 4\] hold 1 Inf value\(s\), the first at \[0, 0, 0, 0\]"),
+    ("latents", (2, 0, 1, 1), 3e4, r"latents \[4, 1, 4, 4\] hold 1 value\(s\) with \|x\| > 10000 \(max \|x\| = 3e\+04\), the first at \[2, 0, 1, 1\]"),
+    ("context", (0, 5), np.nan, r"context \[1, 8\] hold 1 NaN value\(s\), the first at \[0, 5\]"),
+])
+def test_bad_values_in_a_shard_name_shard_and_sample_or_train_with_weight_zero(tmp_path, monkeypatch, what, where,
+                                                                              value, message):
+    import test_shards as this
+
+    original = this._sample
+
+    def poisoned(i):
+        grid, latents, context = original(i)
+        if i == 12:  # grid (1, 2, 2), context of 1 token
+            (latents if what == "latents" else context)[where] = value
+        return grid, latents, context
+
+    monkeypatch.setattr(this, "_sample", poisoned)
+    index = write_corpus(tmp_path)
+    with pytest.raises(BadSampleError, match=rf"shard-000001\.tar, sample '000000012' \(dataset index 12\): {message}\. "
+                                             r"Delete .*`on_bad_sample='skip'`"):
+        ShardedLatentDataset(index)[12]
+    ds = ShardedLatentDataset(index, on_bad_sample="skip")
+    item = ds[12]
+    assert re.search(message, item["bad"]) and not item["latents"].any() and not item["context"].any()
+    assert item["latents"].shape == (4, 1, 4, 4) and item["context"].shape == (TEXT_LEN, TEXT_DIM)
+    assert ds.report.bad_samples == 1
+    batch = collate_batch([ds[15], item, ds[18]])
+    assert batch["sample_weight"].tolist() == [1.0, 0.0, 1.0] and batch["bad_samples"] == [item["bad"]]
