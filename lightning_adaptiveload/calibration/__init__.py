@@ -3,6 +3,7 @@ derive the batch-size policy, record and cache the result, and simulate a cluste
 
 :func:`calibrate` conducts it: source (pinned file → checkpoint → cache → ``profile``), key,
 ``derive.fit_models``, per-mode tiers (``derive.fit_tiers``), memory budgets, ``derive.derive_policy``;
+:func:`refit` and :func:`compare` (``feedback``) close the loop with training's own step times;
 :class:`~lightning_adaptiveload.callbacks.shape_benchmark.ShapeBenchmarkCallback` adapts Lightning's
 hooks to it, and the simulator and the benchmarks call it too.
 """
@@ -23,6 +24,7 @@ from lightning_adaptiveload.calibration.derive import (
     memory_budget,
     policy_for_budget,
 )
+from lightning_adaptiveload.calibration.feedback import REPLAN_GAIN, Decision, Observation, compare, refit
 from lightning_adaptiveload.calibration.profile import (
     Collectives,
     LocalCollectives,
@@ -42,16 +44,19 @@ from lightning_adaptiveload.calibration.simulate import SimulationResult, compar
 
 __all__ = [
     "FORMS",
+    "REPLAN_GAIN",
     "Calibration",
     "CalibrationError",
     "CalibrationResult",
     "Collectives",
     "CostModel",
+    "Decision",
     "Derivation",
     "LocalCollectives",
     "Measurement",
     "MemoryModel",
     "ModeTier",
+    "Observation",
     "ProfileSettings",
     "SequenceParallelCostModel",
     "Shape",
@@ -60,6 +65,7 @@ __all__ = [
     "Trainee",
     "UlyssesCommModel",
     "calibrate",
+    "compare",
     "compare_policies",
     "derive_policy",
     "fit_models",
@@ -69,5 +75,6 @@ __all__ = [
     "plan_grid",
     "policy_for_budget",
     "profile",
+    "refit",
     "simulate",
 ]

@@ -19,6 +19,11 @@ Three forms are supported:
 *relative* residuals (``pred/t - 1``) because step times span orders of magnitude: an absolute loss
 would fit the long videos and ignore the images. All parameters are kept non-negative.
 
+A model corrected by training's own step times
+(:func:`~lightning_adaptiveload.calibration.feedback.refit`) may carry per-length ``corrections``: a factor
+on the form's prediction at a sequence length where training measured a step the form cannot follow (one
+slow shape among smooth ones). Lengths without one are the form's.
+
 Peak memory is modelled as ``m0 + m1·B·S`` bytes (:class:`MemoryModel`), which gives the token
 budget ``M_mem`` for a device.
 """
@@ -207,6 +212,8 @@ class CostModel:
         quality: Fit-quality metrics: ``r2``, ``median_rel_error``, ``max_rel_error``,
             ``heldout_median_rel_error`` (leave-one-out, or 8-fold above 24 points), ``n_points``, and
             for ``"auto"`` fits the held-out error of every form tried (``heldout_<form>``).
+        corrections: ``{S: factor}``: the prediction at exactly sequence length ``S`` is the form's times
+            ``factor`` (measured in training; see the module docstring). Empty for a profiled model.
 
     Raises:
         ValueError: If the form is unknown or the parameters are missing, negative or not finite.
@@ -220,6 +227,7 @@ class CostModel:
     form: str
     params: dict[str, float]
     quality: dict[str, float] = field(default_factory=dict)
+    corrections: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.form not in FORMS:
@@ -246,8 +254,16 @@ class CostModel:
                 f"`CostModel(form={self.form!r}, params={self.params!r})` predicts a step time that does not "
                 "grow with the batch; expected a positive per-token cost."
             )
+        corrections = {}
+        for k, v in dict(self.corrections).items():
+            if isinstance(k, bool) or int(k) != float(k) or int(k) < 1 or isinstance(v, bool) or not (
+                    isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"`CostModel` correction {k!r}: {v!r} is not valid. Expected a sequence length "
+                                 "(a positive integer) and a positive finite factor.")
+            corrections[int(k)] = float(v)
         # Normalise order and types so equality and JSON are stable.
         object.__setattr__(self, "params", {k: float(self.params[k]) for k in names})
+        object.__setattr__(self, "corrections", dict(sorted(corrections.items())))
 
     @classmethod
     def fit(cls, batch_sizes: Any, seq_lens: Any, times: Any, form: str = "auto") -> CostModel:
@@ -324,6 +340,11 @@ class CostModel:
         b = np.asarray(batch_size, dtype=np.float64)
         s = np.asarray(seq_len, dtype=np.float64)
         out = _predict(self.form, np.array(list(self.params.values())), b, s)
+        if self.corrections:
+            keys = np.array(list(self.corrections), dtype=np.float64)
+            factors = np.array(list(self.corrections.values()))
+            idx = np.minimum(np.searchsorted(keys, s), len(keys) - 1)
+            out = out * np.where(keys[idx] == s, factors[idx], 1.0)
         return float(out) if out.ndim == 0 else out
 
     def scaled(self, factor: float) -> CostModel:
@@ -334,7 +355,7 @@ class CostModel:
             raise ValueError(f"`CostModel.scaled(factor={factor!r})` is not valid. Expected a positive finite number.")
         fixed = {"p", "k"}
         params = {k: v if k in fixed else v * float(factor) for k, v in self.params.items()}
-        return CostModel(self.form, params, dict(self.quality))
+        return CostModel(self.form, params, dict(self.quality), dict(self.corrections))
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (see :meth:`to_json`)."""
@@ -344,6 +365,7 @@ class CostModel:
             "form": self.form,
             "params": dict(self.params),
             "quality": {k: (v if math.isfinite(v) else None) for k, v in self.quality.items()},
+            **({"corrections": {str(k): v for k, v in self.corrections.items()}} if self.corrections else {}),
         }
 
     def to_json(self) -> str:
@@ -370,7 +392,14 @@ class CostModel:
         if not isinstance(quality, dict):
             raise ValueError(f"CostModel JSON has quality={quality!r}. Expected an object of numbers.")
         quality = {k: float("nan") if v is None else float(v) for k, v in quality.items()}
-        return cls(data.get("form"), params, quality)
+        corrections = data.get("corrections") or {}  # absent: a profiled model, or a record before corrections
+        if not isinstance(corrections, dict):
+            raise ValueError(f"CostModel JSON has corrections={corrections!r}. Expected an object of S: factor.")
+        try:
+            corrections = {int(k): v for k, v in corrections.items()}
+        except ValueError as err:
+            raise ValueError(f"CostModel JSON has corrections={corrections!r}. Expected integer keys.") from err
+        return cls(data.get("form"), params, quality, corrections)
 
     @classmethod
     def from_json(cls, text: str) -> CostModel:
@@ -397,7 +426,10 @@ class CostModel:
             p = self.params
             expr = f"t = {p['a'] * 1e3:.3g} ms + B·({p['c1']:.4g}·S + {p['c2']:.4g}·S²) s"
         held = self.quality.get("heldout_median_rel_error", float("nan"))
-        return f"CostModel[{self.form}]: {expr} (held-out median rel. error {held:.1%})"
+        fixes = ""
+        if self.corrections:
+            fixes = ", measured in training at " + ", ".join(f"S={k:,} x{v:.2f}" for k, v in self.corrections.items())
+        return f"CostModel[{self.form}]: {expr} (held-out median rel. error {held:.1%}{fixes})"
 
 
 @dataclass(frozen=True)

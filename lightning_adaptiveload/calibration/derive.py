@@ -84,7 +84,8 @@ def policy_for_budget(
     """The policy "largest B with ``B·S <= m_mem`` and ``t(B, S) <= step_budget_s``".
 
     Returns ``DualConstraintPolicy(m_mem, (τ - a) / b, p)`` for the ``"power"`` form (so
-    ``B·S^p <= M_comp`` ⇔ predicted time <= τ), else ``CostModelPolicy(cost_model, m_mem, τ)``.
+    ``B·S^p <= M_comp`` ⇔ predicted time <= τ), else (or with per-length ``corrections``)
+    ``CostModelPolicy(cost_model, m_mem, τ)``.
 
     Raises:
         ValueError: ``m_mem`` is not a positive integer or the budget does not exceed the fixed
@@ -98,7 +99,7 @@ def policy_for_budget(
             f"`step_budget_s={step_budget_s!r}` is not valid: it must exceed the fixed step overhead "
             f"a={a:.6g} s of {cost_model}, or no batch fits. Raise the budget."
         )
-    if cost_model.form == "power":
+    if cost_model.form == "power" and not cost_model.corrections:  # B·S^p <= M_comp cannot hold per-length factors
         m_comp = (step_budget_s - a) / cost_model.params["b"]
         return DualConstraintPolicy(int(m_mem), m_comp, cost_model.params["p"], oversize=oversize)
     return CostModelPolicy(cost_model, int(m_mem), float(step_budget_s), oversize=oversize)

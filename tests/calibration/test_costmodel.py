@@ -302,3 +302,25 @@ def test_memory_model_per_sample_term():
     assert MemoryModel.from_dict({"m0": 1.0, "m1": 2.0}) == MemoryModel(1.0, 2.0, 0.0)  # an older record
     with pytest.raises(ValueError, match="m2=-1"):
         MemoryModel(1.0, 2.0, -1.0)
+
+
+def test_per_length_corrections_apply_at_their_length_only_and_round_trip():
+    from lightning_adaptiveload.bucketing.policy import CostModelPolicy
+    from lightning_adaptiveload.calibration.derive import policy_for_budget
+
+    plain = CostModel("power", {"a": 0.01, "b": 1e-9, "p": 1.6})
+    fixed = CostModel("power", dict(plain.params), corrections={7800: 2.0})
+    s = np.array([1560, 7800, 7801])
+    assert np.allclose(fixed.predict(3, s), plain.predict(3, s) * np.array([1.0, 2.0, 1.0]))
+    assert fixed.predict(3, 7800) == pytest.approx(2 * plain.predict(3, 7800))
+    assert fixed.scaled(1.5).predict(1, 7800) == pytest.approx(3 * plain.predict(1, 7800))
+    again = CostModel.from_json(fixed.to_json())
+    assert again == fixed and "S=7,800 x2.00" in str(fixed)
+    # A record without corrections (every profiled model, older files) reads as before.
+    assert "corrections" not in plain.to_dict() and CostModel.from_dict(plain.to_dict()) == plain
+    # B·S^p <= M_comp has no room for a factor at one length: the policy prices the model itself.
+    assert isinstance(policy_for_budget(fixed, 65520, 0.5), CostModelPolicy)
+    with pytest.raises(ValueError, match=r"correction 0: 2.0 is not valid"):
+        CostModel("power", dict(plain.params), corrections={0: 2.0})
+    with pytest.raises(ValueError, match=r"correction 7800: -1.0 is not valid"):
+        CostModel("power", dict(plain.params), corrections={7800: -1.0})

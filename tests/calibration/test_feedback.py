@@ -1,0 +1,213 @@
+"""The closed loop's Lightning-free half: refit a calibration with training's step times, decide on a re-plan."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from lightning_adaptiveload.bucketing.buckets import count_buckets
+from lightning_adaptiveload.calibration import record
+from lightning_adaptiveload.calibration.calibrate import (
+    ProfileSettings,
+    checkpoint_state,
+    derive_for,
+    read_checkpoint_state,
+)
+from lightning_adaptiveload.calibration.costmodel import CostModel
+from lightning_adaptiveload.calibration.derive import ModeTier
+from lightning_adaptiveload.calibration.feedback import REPLAN_GAIN, Observation, compare, refit
+from lightning_adaptiveload.calibration.profile import Measurement
+from lightning_adaptiveload.calibration.simulate import mixture_token_grids
+from lightning_adaptiveload.data.mixtures import get_mixture
+
+TRUTH = CostModel("quadratic", {"a": 0.01, "c1": 8.68e-6, "c2": 1.482e-9})  # the H200-like default
+M_MEM = 65_520
+SETTINGS = ProfileSettings(m_mem=M_MEM)
+GRIDS, COUNTS = count_buckets(mixture_token_grids(get_mixture("wan_480p"), 4_000))
+SEQ = np.unique(GRIDS.prod(axis=1))  # 1,560 / 7,800 / 14,040 / 20,280 / 32,760
+WORLD = 8
+
+
+def _calibration():
+    """A profile of TRUTH as the profiler plans it: B = 1 and the memory cap at every length, exact times."""
+    meas = []
+    for g in GRIDS:
+        s = int(np.prod(g))
+        for b in sorted({1, M_MEM // s}):
+            meas.append(Measurement(b, tuple(int(v) for v in g), s, float(TRUTH.predict(b, s)), None, "ok", 3, 0.1))
+    cm = CostModel.fit([m.batch_size for m in meas], [m.seq_len for m in meas], [m.time_s for m in meas],
+                       form="quadratic")
+    return record.Calibration({"model": "x"}, cm, meas)
+
+
+def _running(cal, balance="cost"):
+    return derive_for(cal, GRIDS, COUNTS, SETTINGS, world_size=WORLD, balance=balance)
+
+
+def _observed(derivation, factor, steps=50):
+    """What training measures: every bucket at the running policy's batch size, ``factor(S)`` x TRUTH."""
+    b = derivation.policy.batch_sizes(SEQ)
+    return [Observation(int(bb), int(s), factor(int(s)) * float(TRUTH.predict(bb, s)), steps) for bb, s in zip(b, SEQ, strict=True)]
+
+
+def _compare(cal, derivation, new, balance="cost"):
+    return compare(cal, derivation, new, GRIDS, COUNTS, SETTINGS, world_size=WORLD, balance=balance, seed=0,
+                   oversize="error", sp_degree=1, samples=None)
+
+
+def test_a_uniform_slowdown_corrects_the_predictions_and_changes_no_batch_size():
+    cal = _calibration()
+    running = _running(cal)
+    observed = _observed(running, lambda s: 1.1)  # a GPU under its power cap: every shape 10% slower
+    new = refit(cal, observed)
+    assert new.cost_model.form == cal.cost_model.form and not new.cost_model.corrections
+    assert new.extra["feedback"]["transfer"]["clock"] == pytest.approx(1.1)
+    for o in observed:
+        assert float(new.cost_model.predict(o.batch_size, o.seq_len)) == pytest.approx(o.median_seconds, rel=1e-6)
+    decision = _compare(cal, running, new)
+    assert not decision.replan and decision.batch_changes == {} and abs(decision.gain) < 1e-6
+    assert np.allclose(decision.ratio_before, 1.1) and np.allclose(decision.ratio_after, 1.0)
+    # The budget is derived again under the corrected model, not carried over.
+    assert decision.derivation.step_budget_s == pytest.approx(1.1 * running.step_budget_s, rel=1e-6)
+    assert "keep the plan" in decision.summary() and "no batch size changes" in decision.summary()
+    assert "1.10 (1.10-1.10) -> 1.00 (1.00-1.00)" in decision.summary()
+
+
+def test_a_slow_bucket_gets_a_smaller_batch_and_a_replan_where_it_costs_throughput():
+    cal = _calibration()
+    running = _running(cal, balance="none")  # batches dealt at random: a slow batch holds its step up
+    observed = _observed(running, lambda s: 2.0 if s == 7800 else 1.0)
+    new = refit(cal, observed)
+    # One length the form cannot follow gets a correction of its own; the others keep the profile's account.
+    assert new.cost_model.corrections == {7800: pytest.approx(2.0, rel=1e-3)}
+    assert np.allclose(new.cost_model.predict(1, SEQ[SEQ != 7800]), TRUTH.predict(1, SEQ[SEQ != 7800]), rtol=1e-3)
+    decision = _compare(cal, running, new, balance="none")
+    old_b, new_b = decision.batch_changes[7800]
+    assert list(decision.batch_changes) == [7800] and new_b < old_b == 8
+    assert decision.replan and decision.gain >= REPLAN_GAIN
+    assert "re-plan" in decision.summary() and f"S=7,800 {old_b}->{new_b}" in decision.summary()
+    # Cost-balanced steps group the slow bucket's batches: the same correction buys no throughput there.
+    grouped = _running(cal)
+    kept = _compare(cal, grouped, refit(cal, _observed(grouped, lambda s: 2.0 if s == 7800 else 1.0)))
+    assert kept.batch_changes and not kept.replan and kept.gain < REPLAN_GAIN
+
+
+def test_training_points_replace_the_profiles_and_a_second_correction_does_not_compound():
+    good = _calibration()
+    # A busy device disturbed one profiled shape (the memory cap at S = 7,800: 1.5x); training measured the
+    # profile's memory-cap shapes as they are.
+    meas = [m if (m.batch_size, m.seq_len) != (8, 7800) else dataclasses.replace(m, time_s=1.5 * m.time_s)
+            for m in good.measurements]
+    cm = CostModel.fit([m.batch_size for m in meas], [m.seq_len for m in meas], [m.time_s for m in meas],
+                       form="quadratic")
+    cal = record.Calibration({"model": "x"}, cm, meas)
+    caps = [(M_MEM // int(s), int(s)) for s in SEQ]
+    new = refit(cal, [Observation(b, s, float(TRUTH.predict(b, s)), 40) for b, s in caps])
+    # Training's point took the disturbed one's place: the fit is the truth again, at every shape.
+    assert not new.cost_model.corrections
+    assert np.allclose(new.cost_model.predict(1, SEQ), TRUTH.predict(1, SEQ), rtol=1e-3)
+    assert float(new.cost_model.predict(8, 7800)) == pytest.approx(float(TRUTH.predict(8, 7800)), rel=1e-3)
+    assert float(cal.cost_model.predict(8, 7800)) > 1.03 * float(TRUTH.predict(8, 7800))  # the profile's fit was off
+    assert new.extra["provenance"] == {"source": "corrected", "training_steps": 40 * len(caps),
+                                       "profiled_points": len(meas) - len(caps), "training_points": len(caps)}
+    assert new.measurements == cal.measurements and new.memory_model == cal.memory_model
+    # One shape only: the clock factor is all the transfer can tell (no per-step overhead from one point).
+    one = refit(good, [Observation(8, 7800, 1.5 * float(TRUTH.predict(8, 7800)), 40)])
+    assert one.extra["feedback"]["transfer"] == {"overhead_s": 0.0, "clock": pytest.approx(1.5)}
+    # Corrected twice by the same measurements: still 1.1x the profile, not 1.21x; the newest point wins.
+    running = _running(good)
+    once = refit(good, _observed(running, lambda s: 1.1))
+    twice = refit(once, _observed(running, lambda s: 1.1))
+    assert np.allclose(twice.cost_model.predict(1, SEQ), 1.1 * TRUTH.predict(1, SEQ), rtol=1e-6)
+    later = refit(once, _observed(running, lambda s: 1.2)[:1])
+    assert len(later.extra["feedback"]["observations"]) == len(SEQ)
+    assert later.extra["feedback"]["observations"][0]["median_seconds"] == pytest.approx(
+        1.2 * TRUTH.predict(42, 1560))
+
+
+def test_a_per_step_overhead_of_training_moves_the_intercept_only():
+    cal = _calibration()
+    # The optimizer step, the loader hand-over and logging: 25 ms a step whatever its shape.
+    observed = [Observation(o.batch_size, o.seq_len, o.median_seconds + 0.025, o.steps)
+                for o in _observed(_running(cal), lambda s: 1.0)]
+    new = refit(cal, observed)
+    assert new.extra["feedback"]["transfer"]["overhead_s"] == pytest.approx(0.025, rel=1e-4)
+    assert new.cost_model.params["a"] == pytest.approx(TRUTH.params["a"] + 0.025, rel=1e-4)
+    assert new.cost_model.params["c2"] == pytest.approx(TRUTH.params["c2"], rel=1e-4)
+
+
+def test_refit_round_trips_through_the_record_and_the_checkpoint():
+    cal = _calibration()
+    running = _running(cal)
+    new = refit(cal, _observed(running, lambda s: 2.0 if s == 14040 else 1.1))
+    assert new.cost_model.corrections  # the round trip carries them
+    again = record.Calibration.from_json(new.to_json())
+    assert again.to_json() == new.to_json() and again.extra["provenance"]["source"] == "corrected"
+    assert np.array_equal(again.cost_model.predict(2, SEQ), new.cost_model.predict(2, SEQ))
+    decision = _compare(cal, running, new)
+    state = read_checkpoint_state(checkpoint_state(new, decision.derivation))
+    restored = record.Calibration.from_json(state["calibration"])
+    assert restored.to_json() == new.to_json()
+    resumed = derive_for(restored, GRIDS, COUNTS, SETTINGS, derived=state["derived"], world_size=WORLD)
+    assert np.array_equal(resumed.policy.batch_sizes(SEQ), decision.derivation.policy.batch_sizes(SEQ))
+
+
+def _tiered():
+    """'none' up to S = 20,280; the 32,760 clip in 'selective' (profiled at B = 1, 1.25x the base model)."""
+    meas = []
+    for g in GRIDS:
+        s = int(np.prod(g))
+        if s < 32760:
+            for b in sorted({1, M_MEM // s}):
+                meas.append(Measurement(b, tuple(int(v) for v in g), s, float(TRUTH.predict(b, s)), None, "ok", 3,
+                                        0.1, mode="none"))
+        else:
+            meas.append(Measurement(1, tuple(int(v) for v in g), s, 1.25 * float(TRUTH.predict(1, s)), None, "ok", 3,
+                                    0.1, mode="selective"))
+    base = [m for m in meas if m.mode == "none"]
+    cm = CostModel.fit([m.batch_size for m in base], [m.seq_len for m in base], [m.time_s for m in base],
+                       form="quadratic")
+    tiers = [ModeTier("none", 20280, 1.0), ModeTier("selective", 32760, 1.25)]
+    extra = {"checkpointing": {"tiers": [t.to_dict() for t in tiers], "base_mode": "none",
+                               "modes": ["none", "selective"]}}
+    return record.Calibration({"model": "x"}, cm, meas, extra=extra)
+
+
+def test_observations_in_a_tiers_mode_refit_its_scale_not_the_base_model():
+    cal = _tiered()
+    running = _running(cal)
+    b = running.policy.batch_sizes(SEQ)
+
+    def observed(selective, base=1.0):
+        return [Observation(int(bb), int(s), (1.25 * selective if s == 32760 else base) * float(TRUTH.predict(bb, s)),
+                            30, "selective" if s == 32760 else "none") for bb, s in zip(b, SEQ, strict=True)]
+
+    slower = refit(cal, observed(1.3))  # recomputation costs more in training than profiled
+    tiers = slower.extra["checkpointing"]["tiers"]
+    assert tiers[1]["scale"] == pytest.approx(1.25 * 1.3, rel=1e-3) and tiers[0]["scale"] == 1.0
+    assert np.allclose(slower.cost_model.predict(1, SEQ), TRUTH.predict(1, SEQ), rtol=1e-3)
+    assert not slower.cost_model.corrections
+    decision = _compare(cal, running, slower)
+    assert np.allclose(decision.ratio_after, 1.0, atol=1e-3) and max(decision.ratio_before) == pytest.approx(1.3)
+    # A uniform slowdown: every mode's scale as profiled, the base model 1.1x.
+    uniform = refit(cal, observed(1.1, 1.1))
+    assert uniform.extra["checkpointing"]["tiers"][1]["scale"] == pytest.approx(1.25)
+    assert not _compare(cal, running, uniform).batch_changes
+
+
+@pytest.mark.parametrize("args, match", [
+    ((0, 16, 0.1, 3), r"Observation\(batch_size=0\)"),
+    ((1, 16, float("nan"), 3), r"Observation\(median_seconds=nan\)"),
+    ((1, 16, 0.1, 0), r"Observation\(steps=0\)"),
+    ((1, 16, 0.1, 3, 5), r"Observation\(mode=5\)"),
+])
+def test_bad_observations_are_refused_naming_the_field(args, match):
+    with pytest.raises(ValueError, match=match):
+        Observation(*args)
+
+
+def test_refit_needs_an_observation_and_takes_plain_tuples():
+    cal = _calibration()
+    with pytest.raises(ValueError, match=r"refit\(observed=\[\]\)"):
+        refit(cal, [])
+    assert refit(cal, [(42, 1560, 0.8, 10, None)]).extra["provenance"]["training_points"] == 1
