@@ -552,6 +552,11 @@ class AdaptiveBucketBatchSampler(Sampler[list[int]]):
         self.replans.append((int(at_step), changed))
         self.plan()
 
+    @property
+    def drawn_steps(self) -> int:
+        """Epoch steps this rank has drawn (taken before this iteration plus yielded by it, prefetch included)."""
+        return self._drawn_steps()
+
     def _drawn_steps(self) -> int:
         """Epoch steps this rank has drawn (taken before this iteration plus yielded by it)."""
         return len(self) if self._finished else self._position + self._yielded

@@ -49,7 +49,8 @@ from lightning_adaptiveload.bucketing.sequence_parallel import sp_cost_function
 from lightning_adaptiveload.geometry import tokens_of
 
 _FIELDS = ("step_time", "forward_time", "compute", "tokens", "peak_mem", "flops", "data_wait", "alloc_retries",
-           "device_allocs", "sm_clock_mhz", "power_w", "loss_finite", "batch_size", "seq_len")
+           "device_allocs", "sm_clock_mhz", "power_w", "loss_finite", "batch_size", "seq_len",
+           "overhead")
 # Per batch shape, the training step times kept for `observations` (their medians; the most recent ones).
 _SHAPE_SAMPLES = 256
 # Dense bf16 peaks (TFLOP/s) of GPUs that Lightning's `get_available_flops` does not give (Lightning 2.6):
@@ -210,6 +211,7 @@ class BalanceMonitor(Callback):
         self.last_metrics: dict[str, float] = {}
         self._t0: float | None = None
         self._t_fwd: float | None = None
+        self._t_opt: float | None = None  # when the optimizer step of the current batch began
         self._t_end: float | None = None  # when the previous batch's bookkeeping ended
         self._wait = 0.0  # data wait before the current batch
         self._paused = 0.0  # validation time inside the current gap (not data wait)
@@ -243,6 +245,8 @@ class BalanceMonitor(Callback):
         # step plus the wait before it; the slowest rank of the step that had the shape), the last few.
         self._shape_cycles: dict[tuple[int, int], deque[float]] = {}
         self._shape_counts: dict[tuple[int, int], int] = {}
+        # Per counted step, the slowest rank's time outside forward + backward: see `overhead_s`.
+        self._overheads: deque[float] = deque(maxlen=_SHAPE_SAMPLES)
 
     def _now(self, device: torch.device) -> float:
         if self.synchronize and device.type == "cuda":
@@ -292,7 +296,7 @@ class BalanceMonitor(Callback):
         if pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
         self._allocator0 = _allocator_counts(pl_module.device)
-        self._t_fwd = None
+        self._t_fwd = self._t_opt = None
         self._t0 = self._now(pl_module.device)
         self._wait = 0.0 if self._t_end is None else max(0.0, self._t0 - self._t_end - self._paused)
         self._paused = 0.0
@@ -301,6 +305,11 @@ class BalanceMonitor(Callback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         if self._t0 is not None and self._t_fwd is None:
             self._t_fwd = self._now(pl_module.device)
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self._t0 is not None and self._t_opt is None:
+            self._t_opt = self._now(pl_module.device)
 
     def _predicted_compute(self, b: int, s: int, degree: int = 1) -> float:
         """Predicted time of this rank's share of a ``(B, S)`` batch held by ``degree`` ranks."""
@@ -337,7 +346,8 @@ class BalanceMonitor(Callback):
                 pass
         local = torch.tensor([step_time, forward_time, self._predicted_compute(b, s, degree), float(b * s) / degree,
                               float(peak), flops, self._wait, retries, device_allocs, clock, power, 1.0,
-                              float(b) if degree == 1 else 0.0, float(s)],
+                              float(b) if degree == 1 else 0.0, float(s),
+                              (end - self._t_opt if self._t_opt is not None else 0.0) + self._wait],
                              dtype=torch.float64, device=pl_module.device)
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         if isinstance(loss, torch.Tensor):
@@ -383,6 +393,7 @@ class BalanceMonitor(Callback):
     def _observe(self, rows: np.ndarray) -> None:
         """Per data-parallel batch shape of the step, the slowest rank's step plus the wait before it."""
         cycle = rows[:, 0] + rows[:, 6]
+        self._overheads.append(float(rows[:, 14].max()))
         shapes = rows[:, 12:14].astype(np.int64)
         for b, s in {tuple(v) for v in shapes.tolist() if v[0] > 0}:
             mine = (shapes[:, 0] == b) & (shapes[:, 1] == s)
@@ -397,6 +408,14 @@ class BalanceMonitor(Callback):
         callbacks and logging). The same on every rank. Sequence-parallel batches are left out."""
         return [(b, s, float(np.median(self._shape_cycles[(b, s)])), n)
                 for (b, s), n in sorted(self._shape_counts.items()) if n >= min_steps]
+
+    def overhead_s(self) -> float | None:
+        """The median over counted steps (the slowest rank of each) of the time a step spends outside its
+        forward + backward: from the optimizer step to the step's end (optimizer, zeroing gradients,
+        schedulers) plus the wait before the step (the loader's hand-over, the other callbacks, logging).
+        The shape benchmark's profiled step is forward + backward only, so this is what the closed loop
+        adds to it. ``None`` before the first counted step."""
+        return float(np.median(self._overheads)) if self._overheads else None
 
     def set_cost_model(self, cost_model: CostPredictor | None) -> None:
         """Predict compute with ``cost_model`` from the next step on (a corrected calibration's)."""

@@ -9,6 +9,7 @@ switches the activation-checkpointing mode per batch, and checkpoints, logs and 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_adaptiveload.calibration import derive, record
+from lightning_adaptiveload.calibration import derive, feedback, record
 from lightning_adaptiveload.calibration.calibrate import (
     ProfileSettings,
     calibrate,
@@ -40,6 +41,7 @@ from lightning_adaptiveload.callbacks._trainee import (
     sampler_settings,
     samples_of,
 )
+from lightning_adaptiveload.callbacks.balance_monitor import BalanceMonitor
 from lightning_adaptiveload.reporting import print_calibration, save_calibration
 
 _NAME = CALLBACK_NAME
@@ -69,6 +71,17 @@ class ShapeBenchmarkCallback(Callback):
     world size), a fresh profile. The key does not see kernels swapped in by other callbacks: use
     ``force=True`` after such a change. Details: ``docs/components.md`` (Calibration).
 
+    Closed loop (``closed_loop=True``, with a :class:`~lightning_adaptiveload.callbacks.balance_monitor.BalanceMonitor`
+    in the Trainer): at training steps ``closed_loop_every_n_steps · 2^k`` the step times training measured
+    per batch shape (:meth:`BalanceMonitor.observations`: the step plus the wait before it, every rank)
+    correct the calibration (:func:`~lightning_adaptiveload.calibration.feedback.refit`: training's points
+    over the profile's, in the calibration's form). When the corrected policy is predicted to train at
+    least :data:`~lightning_adaptiveload.calibration.feedback.REPLAN_GAIN` faster than the running one under
+    the corrected model, the DataModule re-plans from the next step no rank has drawn (every sample still
+    once per epoch); otherwise only the predictions change. Either way one line says what changed, the
+    corrected calibration replaces the cache entry (marked as corrected from N training steps), and after
+    a re-plan the checkpoints carry it, so a resume plans the same batches.
+
     Args:
         batch_sizes: Batch sizes to try at every sequence length. ``None``: B = 1 and the largest that
             fits (capped by the peaks measured so far).
@@ -93,6 +106,9 @@ class ShapeBenchmarkCallback(Callback):
         force: Profile even when the cache or a checkpoint holds a matching calibration.
         save_dir: Where the JSON and the plot go; ``None`` uses ``trainer.log_dir`` (or ``default_root_dir``).
         enabled: ``False`` turns the callback into a no-op.
+        closed_loop: Correct the calibration from training's step times and re-plan when that pays (above).
+        closed_loop_every_n_steps: First check at this training step, then at twice the step of the last.
+        closed_loop_min_steps: Steps of a batch shape before its median counts.
 
     Raises:
         ValueError: If an argument is out of range.
@@ -126,6 +142,9 @@ class ShapeBenchmarkCallback(Callback):
         force: bool = False,
         save_dir: str | os.PathLike | None = None,
         enabled: bool = True,
+        closed_loop: bool = True,
+        closed_loop_every_n_steps: int = 25,
+        closed_loop_min_steps: int = 3,
     ) -> None:
         self.settings = ProfileSettings(
             batch_sizes=batch_sizes, max_shapes=max_shapes, repeats=repeats, stable_rel=stable_rel, warmup=warmup,
@@ -136,6 +155,17 @@ class ShapeBenchmarkCallback(Callback):
         self.force = force
         self.save_dir = None if save_dir is None else Path(save_dir)
         self.enabled = enabled
+        for name, value in (("closed_loop_every_n_steps", closed_loop_every_n_steps),
+                            ("closed_loop_min_steps", closed_loop_min_steps)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{type(self).__name__}({name}={value!r})` is not valid. Expected a positive integer.")
+        self.closed_loop = bool(closed_loop)
+        self.closed_loop_every_n_steps = closed_loop_every_n_steps
+        self.closed_loop_min_steps = closed_loop_min_steps
+        self._next_check: int | None = None
+        self._loop_warned = False
+        #: The closed loop's decisions of this fit: ``(global step, Decision, re-planned at epoch step or None)``.
+        self.decisions: list[tuple[int, feedback.Decision, int | None]] = []
         self._restored: dict[str, Any] | None = None
         self._fit_started = False
         self._auto_checkpointing = False
@@ -172,6 +202,7 @@ class ShapeBenchmarkCallback(Callback):
             return
         check_fit(trainer, pl_module)
         self._fit_started = False
+        self._next_check, self.decisions = None, []
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -227,6 +258,65 @@ class ShapeBenchmarkCallback(Callback):
             mode = self.derivation.mode_for(s) or self.derivation.tiers[-1]["mode"]
             if pl_module.checkpointing != mode:
                 pl_module.set_checkpointing(mode)
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not (self.enabled and self.closed_loop) or self.calibration is None or self.derivation is None:
+            return
+        step = trainer.global_step
+        if self._next_check is None:  # the schedule continues after a resume
+            self._next_check = self.closed_loop_every_n_steps
+            while self._next_check <= step:
+                self._next_check *= 2
+            return
+        if step < self._next_check:
+            return
+        self._next_check = max(self._next_check, step) * 2
+        self._close_the_loop(trainer, step)
+
+    def _close_the_loop(self, trainer: Trainer, step: int) -> None:
+        monitor = next((cb for cb in trainer.callbacks if isinstance(cb, BalanceMonitor)), None)
+        dm = trainer.datamodule
+        why = None
+        if monitor is None:
+            why = "it needs a BalanceMonitor in the Trainer's callbacks (it measures the steps)"
+        elif getattr(dm, "sp_config", None) is not None:
+            why = "re-planning is not supported with sequence parallelism"
+        if why is not None:
+            if not self._loop_warned:
+                self._loop_warned = True
+                rank_zero_warn(f"{_NAME}: the closed loop is off: {why}. Set `closed_loop=False` to silence this.")
+            return
+        # The same on every rank (all-gathered rows); broadcast so that every rank decides on rank 0's floats.
+        observed, overhead = trainer.strategy.broadcast((monitor.observations(self.closed_loop_min_steps),
+                                                         monitor.overhead_s()))
+        if not observed:
+            return
+        start = time.perf_counter()
+        grids, counts = corpus(trainer)
+        try:
+            corrected = feedback.refit(self.calibration, [feedback.Observation(*o) for o in observed],
+                                       overhead_s=overhead)
+            decision = feedback.compare(self.calibration, self.derivation, corrected, grids, counts, self.settings,
+                                        world_size=trainer.world_size, **sampler_settings(trainer),
+                                        samples=samples_of(trainer))
+        except (ValueError, record.CalibrationError) as err:
+            rank_zero_warn(f"{_NAME}: step {step}: the closed loop could not correct the calibration ({err}); "
+                           "keeping it.")
+            return
+        at = None
+        model = decision.derivation.cost_model or corrected.cost_model
+        if decision.replan:
+            at = dm.replan(decision.derivation.policy, model)
+            self.calibration, self.derivation = corrected, decision.derivation
+            self.source = f"corrected from {corrected.extra['provenance']['training_steps']} training steps"
+        monitor.set_cost_model(model)
+        self.decisions.append((step, decision, at))
+        where = f"; re-planned from step {at} of the epoch" if at is not None else ""
+        rank_zero_info(f"{_NAME}: step {step}: {decision.summary()}{where} ({time.perf_counter() - start:.2f} s)")
+        if self.cache_dir is not None and trainer.is_global_zero:
+            record.write_cache(self.cache_dir, corrected)
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
+import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_adaptiveload.bucketing.policy import BatchSizePolicy, CostPredictor
@@ -205,6 +206,29 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
         if self._sampler is not None:
             self._sampler.set_cost_model(self._sampler_cost_model())
 
+    def replan(self, policy: BatchSizePolicy, cost_model: CostPredictor | None) -> int:
+        """Train the rest of the current epoch, and every later one, with ``policy`` (e.g. a corrected
+        calibration's); every rank calls it at the same training step.
+
+        The new plan starts at the first step no rank has drawn yet (the largest drawn count over ranks:
+        batches already prefetched train as planned), covers exactly the samples not planned before it,
+        and is part of the sampler state, so a resume (on any world size) continues it. Lightning's count
+        of the epoch's batches follows the new length. Returns that epoch step.
+
+        Raises:
+            ValueError: with sequence parallelism (not supported).
+        """
+        sampler = self.sampler
+        at = sampler.drawn_steps
+        trainer = self.trainer
+        if trainer is not None and trainer.world_size > 1:
+            drawn = torch.tensor(at, dtype=torch.int64, device=trainer.strategy.root_device)
+            at = int(trainer.strategy.reduce(drawn, reduce_op="max"))
+        self.policy, self.cost_model = policy, cost_model
+        sampler.replan(policy, self._sampler_cost_model(), at)
+        self._sync_epoch_length()
+        return at
+
     def _check_mutable(self, what: str) -> None:
         if self._drawn:
             raise RuntimeError(
@@ -372,8 +396,9 @@ class AdaptiveLoadDataModule(pl.LightningDataModule):
             return {"sampler": self._pending_state} if self._pending_state is not None else {}
         out: dict[str, Any] = {"sampler": self._sampler.state_dict(steps_taken=self._steps_taken())}
         if self.trainer is not None:
+            state = out["sampler"]
             out["loop"] = {**self._loop_position(), "sampler_epoch": self._sampler.epoch,
-                           "sampler_steps": sum(k for _, k in out["sampler"]["segments"])}
+                           "sampler_steps": state.get("position", sum(seg[1] for seg in state["segments"]))}
         return out
 
     def _where(self) -> str:

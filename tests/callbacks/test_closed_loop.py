@@ -1,0 +1,157 @@
+"""The closed loop through a real Trainer: training's step times correct the calibration and re-plan.
+
+The module's step sleeps a known time t(B, S) = a + b·B·S, so the profile measures exactly that;
+training then pays more (``extra``: an optimizer step the profiled forward + backward does not see) or a uniform factor (``scale``: a power cap). Sleeps keep the timings far above
+the CPU's noise.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import Dataset
+
+from lightning_adaptiveload.bucketing.policy import DualConstraintPolicy
+from lightning_adaptiveload.callbacks.balance_monitor import BalanceMonitor
+from lightning_adaptiveload.callbacks.shape_benchmark import ShapeBenchmarkCallback
+from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+
+A, B_S = 0.0005, 4e-5  # profiled: 0.5 ms per step + 40 µs per token (the 1% rule stops below the memory cap)
+GRIDS = np.array([(1, 4, 4), (1, 8, 8), (3, 8, 8), (5, 8, 8)])
+N = 300
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning",
+                                        "ignore::lightning.fabric.utilities.warnings.PossibleUserWarning")
+
+
+class Grids(Dataset):
+    def __init__(self) -> None:
+        self.grids = GRIDS[np.random.default_rng(0).integers(0, len(GRIDS), N)]
+
+    def __len__(self) -> int:
+        return N
+
+    def token_grids(self) -> np.ndarray:
+        return self.grids
+
+    def __getitem__(self, i: int) -> dict:
+        f, h, w = (int(v) for v in self.grids[i])
+        return {"latents": torch.zeros(2, f, h, w), "context": torch.zeros(1, 2), "index": i}
+
+
+class SleepModule(LightningModule):
+    def __init__(self, extra: float = 0.0, scale: float = 1.0) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+        self.extra, self.scale = extra, scale
+
+    def batch_shape(self, batch) -> tuple[int, int]:
+        b, _, f, h, w = batch["latents"].shape
+        return b, f * h * w
+
+    def synthetic_batch(self, batch_size, grid, device=None):
+        return {"latents": torch.zeros(batch_size, 2, *grid, device=device)}
+
+    def compute_loss(self, batch, scale: float = 1.0):
+        b, s = self.batch_shape(batch)
+        time.sleep((A + B_S * b * s) * scale)
+        return self.layer(batch["latents"].mean(dim=(2, 3, 4))).pow(2).mean()
+
+    def training_step(self, batch, batch_idx):
+        return self.compute_loss(batch, self.scale)
+
+    def configure_optimizers(self):
+        return SlowSGD(self.parameters(), lr=0.01, extra=self.extra)
+
+
+class SlowSGD(torch.optim.SGD):
+    """An optimizer step that takes ``extra`` seconds (a large model's AdamW): time the profile does not see."""
+
+    def __init__(self, params, lr: float, extra: float) -> None:
+        super().__init__(params, lr=lr)
+        self.extra = extra
+
+    def step(self, closure=None):
+        loss = super().step(closure)
+        time.sleep(self.extra)
+        return loss
+
+
+class Seen(Callback):
+    def __init__(self) -> None:
+        self.batches: list[tuple[int, list[int]]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.batches.append((trainer.datamodule.sampler.epoch, batch["index"].tolist()))
+
+
+def _fit(tmp_path, module, *, ckpt=None, every=10, callbacks=(), **limits):
+    seen = Seen()
+    bench = ShapeBenchmarkCallback(max_shapes=4, batch_sizes=[1, 16], repeats=3, warmup=1, m_mem=2048,
+                                   save_dir=tmp_path, closed_loop_every_n_steps=every, closed_loop_min_steps=3,
+                                   cache_dir=tmp_path / "cache")
+    monitor = BalanceMonitor(print_report=False, synchronize=False)
+    dm = AdaptiveLoadDataModule(Grids(), DualConstraintPolicy(2048, 1.0, 1.0), seed=2, print_plan=False)
+    trainer = Trainer(default_root_dir=tmp_path, accelerator="cpu", devices=1, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                      callbacks=[bench, monitor, seen, *callbacks], enable_checkpointing=bool(callbacks), **limits)
+    trainer.fit(module, datamodule=dm, ckpt_path=ckpt)
+    return bench, monitor, seen, dm
+
+
+def _per_epoch(*runs: Seen) -> dict[int, Counter]:
+    out: dict[int, Counter] = defaultdict(Counter)
+    for seen in runs:
+        for epoch, batch in seen.batches:
+            out[epoch].update(batch)
+    return out
+
+
+def test_an_overhead_the_profile_did_not_see_re_plans_to_larger_batches(tmp_path):
+    bench, monitor, seen, dm = _fit(tmp_path, SleepModule(extra=0.03), max_epochs=2)
+    replans = [(step, d, at) for step, d, at in bench.decisions if at is not None]
+    assert replans, [d.summary() for _, d, _ in bench.decisions]
+    step, decision, at = replans[0]
+    assert decision.gain >= 0.03 and all(new > old for old, new in decision.batch_changes.values())
+    assert bench.source.startswith("corrected from")
+    # After correction the model predicts training's steps.
+    ratios = [r["measured_over_predicted"] for r in monitor.per_shape() if r["steps"] >= 3 and "cycle_s" in r]
+    assert ratios and all(0.85 < r < 1.15 for r in ratios), ratios
+    # Every sample exactly once in each epoch, the re-planned one included.
+    for epoch, counts in _per_epoch(seen).items():
+        assert set(counts) == set(range(N)) and sum(counts.values()) == N, epoch
+    # The corrected calibration replaced the cache entry, marked with where it came from.
+    cached = list((tmp_path / "cache").rglob("*.json"))
+    assert cached and '"corrected"' in cached[0].read_text()
+
+
+def test_a_uniform_slowdown_corrects_predictions_but_changes_no_batch_size(tmp_path):
+    bench, monitor, _, dm = _fit(tmp_path, SleepModule(scale=1.3), max_steps=60)
+    assert bench.decisions and all(at is None and not d.replan for _, d, at in bench.decisions)
+    assert not dm.sampler.replans and not bench.source.startswith("corrected")
+    before = bench.decisions[-1][1].ratio_before
+    after = bench.decisions[-1][1].ratio_after
+    assert np.median(before) > 1.2 and 0.9 < np.median(after) < 1.1, (before, after)
+
+
+def test_resume_after_a_re_plan_continues_it_exactly(tmp_path):
+    every, stop = 10, 14  # the re-plan at step 10, the checkpoint inside the same epoch
+    saver = ModelCheckpoint(dirpath=tmp_path / "c", filename="{step}", every_n_train_steps=stop, save_top_k=-1)
+    bench, _, first, _ = _fit(tmp_path / "a", SleepModule(extra=0.03), every=every, callbacks=[saver],
+                              max_steps=stop)
+    assert any(at is not None for _, _, at in bench.decisions)
+    ckpt = torch.load(tmp_path / f"c/step={stop}.ckpt", weights_only=False)
+    assert any(len(seg) == 3 for seg in ckpt["AdaptiveLoadDataModule"]["sampler"]["segments"])
+    resumed_bench, _, rest, resumed_dm = _fit(tmp_path / "b", SleepModule(extra=0.03), every=every,
+                                              ckpt=tmp_path / f"c/step={stop}.ckpt", max_epochs=2)
+    # The checkpoint's corrected calibration and policy, not a new profile: the plan continues as saved.
+    assert resumed_bench.source == "checkpoint" or resumed_bench.source.startswith("corrected")
+    assert resumed_bench.calibration.extra["provenance"]["source"] == "corrected"
+    # Every sample once in the re-planned epoch 0 across the two runs, and once in epoch 1.
+    for epoch, counts in _per_epoch(first, rest).items():
+        assert set(counts) == set(range(N)) and sum(counts.values()) == N, epoch
