@@ -8,6 +8,7 @@ error wording live in :mod:`.checks`, node helpers in :mod:`.components`, multi-
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -128,6 +129,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
     else:
         lines.append(f"  last logged values: {metrics}")
     rank_zero_info("Final metrics\n" + "\n".join(lines))
+    out_dir = cfg.get("output_dir")
+    if out_dir and run.trainer.is_global_zero:  # the same numbers for scripts (benchmarks/bench_quickstart.py)
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / "metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True))
     return metrics
 
 

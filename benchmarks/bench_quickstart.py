@@ -1,0 +1,115 @@
+"""The README's quickstart against the README's equal-token baseline, as a user runs them.
+
+Alternates ``--pairs`` pairs of ``adaptiveload-train`` runs (subprocesses, the console script with the
+README's arguments): the quickstart (``adaptiveload-train``, calibrated, closed loop on) and the baseline
+``adaptiveload-train bucketing=equal_token bucketing.policy.max_tokens=4096``, and records each run's
+tokens/s (``BalanceMonitor``'s run mean and its epoch estimate) from ``metrics.json``, the closed loop's
+decisions and the per-shape measured/predicted ratios from the log. ``--load`` runs a CPU-bound process
+beside them (a second job on the machine). The first quickstart run profiles (the cache starts empty
+under ``--cache``), later ones read the cache, as a user's second run does.
+
+    python benchmarks/bench_quickstart.py --pairs 4            # appends to benchmarks/results/quickstart_cpu.json
+    python benchmarks/bench_quickstart.py --pairs 4 --load     # with a second CPU-bound job
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import RESULTS, append_record, run_info  # noqa: E402
+
+BASELINE = ["bucketing=equal_token", "bucketing.policy.max_tokens=4096"]
+_DECISION = re.compile(r"`ShapeBenchmarkCallback`: step (\d+): (re-plan|keep the plan): ([+-][0-9.]+)% .*?"
+                       r"measured/predicted over \d+ shape\(s\), [0-9,]+ steps: ([0-9.]+) \(([0-9.]+)-([0-9.]+)\) -> "
+                       r"([0-9.]+) \(([0-9.]+)-([0-9.]+)\)")
+
+
+def _burn(stop: Any) -> None:
+    x = 0
+    while not stop.is_set():
+        x = (x * 31 + 7) % 1_000_003
+
+
+def _run(kind: str, extra: list[str], work: Path, cache: Path, timeout: int) -> dict[str, Any]:
+    out = work / kind / str(time.time_ns())
+    args = ["adaptiveload-train", f"output_dir={out}", f"hydra.run.dir={out}",
+            f"callbacks.shape_benchmark.cache_dir={cache}", *extra]
+    if kind == "baseline":
+        args += BASELINE
+    start = time.perf_counter()
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    wall = time.perf_counter() - start
+    log = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed (rc {proc.returncode}):\n{log[-3000:]}")
+    metrics = json.loads((out / "metrics.json").read_text())
+    decisions = [{"step": int(m[1]), "replan": m[2] == "re-plan", "gain": float(m[3]) / 100,
+                  "ratio_before": [float(m[4]), float(m[5]), float(m[6])],
+                  "ratio_after": [float(m[7]), float(m[8]), float(m[9])]} for m in _DECISION.finditer(log)]
+    return {"kind": kind, "wall_s": wall, "tokens_per_s": metrics.get("balance/tokens_per_s"),
+            "epoch_tokens_per_s": metrics.get("balance/epoch_tokens_per_s"), "steps": metrics.get("balance/steps"),
+            "profiled": "profiled in" in log, "decisions": decisions, "args": args[1:]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--pairs", type=int, default=4)
+    p.add_argument("--load", action="store_true", help="run a CPU-bound process beside the runs")
+    p.add_argument("--extra", nargs="*", default=[], help="overrides for both runs (e.g. trainer.max_steps=20)")
+    p.add_argument("--timeout", type=int, default=900)
+    p.add_argument("--out", type=Path, default=RESULTS / "quickstart_cpu.json")
+    args = p.parse_args(argv)
+    if args.pairs < 1:
+        p.error(f"--pairs {args.pairs}: expected a positive integer")
+    run = run_info()
+    stop = multiprocessing.Event()
+    burner = multiprocessing.Process(target=_burn, args=(stop,), daemon=True) if args.load else None
+    if burner is not None:
+        burner.start()
+    runs: list[dict[str, Any]] = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            work, cache = Path(tmp), Path(tmp) / "cache"
+            for i in range(args.pairs):
+                for kind in ("quickstart", "baseline") if i % 2 == 0 else ("baseline", "quickstart"):
+                    runs.append(_run(kind, args.extra, work, cache, args.timeout))
+                    r = runs[-1]
+                    print(f"pair {i + 1}/{args.pairs} {kind}: {r['tokens_per_s']:,.0f} tokens/s "
+                          f"(epoch {r['epoch_tokens_per_s'] or float('nan'):,.0f}), {r['wall_s']:.0f} s", flush=True)
+    finally:
+        if burner is not None:
+            stop.set()
+            burner.join(5)
+
+    def med(kind: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs if r["kind"] == kind and r[key] is not None)
+
+    ratios = [q["tokens_per_s"] / b["tokens_per_s"] for q, b in zip(
+        [r for r in runs if r["kind"] == "quickstart"], [r for r in runs if r["kind"] == "baseline"], strict=True)]
+    result = {"pairs": args.pairs, "load": bool(args.load), "cpus": os.cpu_count(), "extra": args.extra,
+              "quickstart_tokens_per_s": med("quickstart", "tokens_per_s"),
+              "baseline_tokens_per_s": med("baseline", "tokens_per_s"),
+              "quickstart_epoch_tokens_per_s": med("quickstart", "epoch_tokens_per_s"),
+              "baseline_epoch_tokens_per_s": med("baseline", "epoch_tokens_per_s"),
+              "ratio_per_pair": ratios, "ratio_median": statistics.median(ratios), "runs": runs,
+              "how": "adaptiveload-train subprocesses, alternating order per pair; tokens/s = BalanceMonitor run mean"}
+    append_record(args.out, "bench_quickstart.py", result, run)
+    print(f"quickstart / baseline tokens/s per pair: {', '.join(f'{x:.2f}' for x in ratios)} "
+          f"(median {result['ratio_median']:.2f}); wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
