@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import InitVar, dataclass, field
@@ -45,12 +46,19 @@ from lightning_adaptiveload.calibration.profile import (
 )
 
 __all__ = [
-    "CalibrationResult", "ProfileSettings", "Trainee", "calibrate", "check_oversize", "checkpoint_state", "metrics",
-    "out_of_memory_advice", "profile_modes", "read_checkpoint_state",
+    "NOISY_PROFILE_REL", "CalibrationResult", "ProfileSettings", "Trainee", "calibrate", "check_oversize",
+    "checkpoint_state", "metrics", "out_of_memory_advice", "profile_modes", "read_checkpoint_state", "too_noisy",
 ]
 
 #: Version of :func:`checkpoint_state`; a state of another version is ignored (the run profiles or reads the cache).
 STATE_VERSION = 2
+#: A profile is too noisy to cache as final when its fit's held-out median error, or the median over shapes
+#: of its timed steps' spread ((max - min) / median), is above this: the bound at which the fit is already
+#: reported poor (``derive.POOR_FIT_REL_ERROR``). Reference H200 profiles sit at 1-11% held-out error with
+#: steps within ``stable_rel`` (2%) of each other; a tiny model's sub-millisecond CPU steps on a busy 2-core
+#: machine measure 17-99% and 5-70%. Such a profile serves its own run (with a warning) and is cached as
+#: provisional, so the next run profiles again (or the closed loop's correction replaces it).
+NOISY_PROFILE_REL = derive.POOR_FIT_REL_ERROR
 
 
 @dataclass(frozen=True)
@@ -198,7 +206,8 @@ def calibrate(
         pinned: a calibration file used as is.
         restored: the shape benchmark's checkpoint state (``{"calibration": json, "derived": {...}}``);
             its budgets are applied as they were, so a resumed epoch plans the same batches.
-        cache_dir: the calibration cache (``None``: off); read on rank 0 and broadcast, written on rank 0.
+        cache_dir: the calibration cache (``None``: off); read on rank 0 and broadcast, written on rank 0. A
+            profile too noisy to keep (:func:`too_noisy`) is cached as provisional, which the next run profiles again.
         force: profile even when the checkpoint or the cache holds a matching calibration.
         broadcast: rank 0's object on every rank.
         world_size, balance, seed, oversize: the run's sampler settings (the derivation plans with them).
@@ -230,7 +239,12 @@ def calibrate(
         text = None
         if is_global_zero:
             hit = record.read_cache(cache_dir, key)
-            text = None if hit is None else hit.to_json()
+            if hit is not None and record.is_provisional(hit):
+                say(f"the cached calibration {record.cache_path(cache_dir, key)} is "
+                    f"{record.describe_provenance(hit)}; profiling again")
+            elif hit is not None:
+                say(f"calibration from cache {record.cache_path(cache_dir, key)} ({record.describe_provenance(hit)})")
+                text = hit.to_json()
         text = broadcast(text)
         if text is not None:
             cal, source = record.Calibration.from_json(text), "cache"
@@ -245,11 +259,30 @@ def calibrate(
         # record makes agreement exact regardless of floating-point reduction order.
         cal = record.Calibration.from_json(broadcast(cal.to_json()))
         source = "profiled"
+        noise = too_noisy(cal)
+        cal.extra["provenance"] = {"source": "profiled", **({"provisional": noise} if noise else {})}
+        if noise:
+            warn(f"the profile is too noisy to keep ({noise}); this run uses it, "
+                 + ("the cache keeps it as provisional and the next run profiles again. " if cache_dir is not None
+                    else "") + "For a profile to keep: an otherwise idle device, more `repeats` and `warmup`, or "
+                 "larger shapes (`batch_sizes`).")
         if cache_dir is not None and is_global_zero:
             record.write_cache(cache_dir, cal)
     derivation = derive_for(cal, grids, counts, settings, derived=derived, world_size=world_size, balance=balance,
                             seed=seed, oversize=oversize, sp_degree=sp_degree, say=say, samples=samples, warn=warn)
     return CalibrationResult(cal, derivation, str(source), profiled)
+
+
+def too_noisy(cal: record.Calibration) -> str:
+    """Why a profile is too noisy to cache as final (:data:`NOISY_PROFILE_REL`), or "" when it is not."""
+    why = []
+    held = cal.cost_model.quality.get("heldout_median_rel_error", float("nan"))
+    if math.isfinite(held) and held > NOISY_PROFILE_REL:
+        why.append(f"held-out median error {held:.0%}")
+    spreads = [m.spread for m in cal.measurements if m.status == "ok" and m.spread is not None]
+    if spreads and float(np.median(spreads)) > NOISY_PROFILE_REL:
+        why.append(f"median spread of repeated steps {float(np.median(spreads)):.0%}")
+    return " and ".join(why) + f" above {NOISY_PROFILE_REL:.0%}" if why else ""
 
 
 def derive_for(cal: record.Calibration, grids: np.ndarray, counts: np.ndarray, settings: ProfileSettings, *,

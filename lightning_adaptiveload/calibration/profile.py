@@ -122,6 +122,9 @@ class Measurement:
     compile_s: float = 0.0
     #: The activation-checkpointing mode the shape ran in (``None``: the model's own setting).
     mode: str | None = None
+    #: ``(max - min) / median`` of the timed steps, max over ranks (``None``: fewer than two timed steps, or
+    #: a record from before spreads were kept).
+    spread: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -145,11 +148,14 @@ class Measurement:
             raise ValueError(f"measurement {data!r} has status 'ok' but time_s={t!r}")
         peak = data.get("peak_bytes")
         mode = data.get("mode")
+        spread = data.get("spread")
+        if spread is not None and not (isinstance(spread, (int, float)) and math.isfinite(spread) and spread >= 0):
+            raise ValueError(f"measurement {data!r} has spread={spread!r}, expected a fraction >= 0 or null")
         if mode is not None and not isinstance(mode, str):
             raise ValueError(f"measurement {data!r} has mode={mode!r}, expected a string or null")
         return cls(b, grid, s, None if t is None else float(t), None if peak is None else int(peak), status,
                    int(data.get("timed_steps", 0)), float(data.get("seconds", 0.0)),
-                   float(data.get("compile_s", 0.0)), mode)
+                   float(data.get("compile_s", 0.0)), mode, None if spread is None else float(spread))
 
 
 def plan_grid(
@@ -456,6 +462,9 @@ def _profile_one(make_step, shape: Shape, coll: Collectives, warmup: int, repeat
     compile_s = compiled() - c_shape
     if coll.max(float(oom)) > 0:
         return Measurement(b, grid, s, None, None, "oom", 0, seconds, compile_s)
-    t = coll.max(float(np.median(times)))
+    median = float(np.median(times))
+    t = coll.max(median)
     peak = None if memory.peak is None else int(coll.max(float(memory.peak())))
-    return Measurement(b, grid, s, t, peak, "ok", len(times), seconds, compile_s)
+    # Every rank ran the same number of timed steps (the decisions are shared), so all take this branch.
+    spread = coll.max((max(times) - min(times)) / median) if len(times) >= 2 else None
+    return Measurement(b, grid, s, t, peak, "ok", len(times), seconds, compile_s, spread=spread)

@@ -7,7 +7,14 @@ A record is versioned JSON (never pickle: calibrations move between machines)::
      "cost_model": {...}, "memory_model": {...} | null,
      "device_memory": bytes | null, "optimizer_bytes": bytes not yet allocated when profiling,
      "measurements": [{batch_size, grid, seq_len, time_s, peak_bytes, status, timed_steps, seconds}],
-     "profile_seconds": float, "world_size": ranks it was profiled on (informational)}
+     "profile_seconds": float, "world_size": ranks it was profiled on (informational),
+     "extra": {"provenance": {"source": "profiled" | "corrected", ...}, ...} (optional)}
+
+``extra["provenance"]`` says where the numbers come from: ``{"source": "profiled"}`` (with
+``"provisional": reason`` for a profile too noisy to keep as final: the cache does not serve it), or
+``{"source": "corrected", "training_steps": N, ...}`` for a calibration refitted with training's own steps
+(:func:`~lightning_adaptiveload.calibration.feedback.refit`). A record without it (written before it
+existed) is a profile.
 
 The key holds what a step's cost depends on: the model's architecture (parameter names, shapes and
 dtypes), the device type and name, precision, strategy, cost-model form and the profiled grid. It
@@ -224,8 +231,34 @@ def read_cache(cache_dir: str | os.PathLike, key: dict[str, Any]) -> Calibration
     return cal
 
 
-def write_cache(cache_dir: str | os.PathLike, calibration: Calibration) -> Path:
-    """Write atomically (a reader never sees half a file); remove temp files of killed writers."""
+def provenance(calibration: Calibration) -> dict[str, Any]:
+    """``extra["provenance"]`` (see the module docstring); ``{"source": "profiled"}`` for older records."""
+    found = (calibration.extra or {}).get("provenance")
+    return dict(found) if isinstance(found, dict) and found.get("source") else {"source": "profiled"}
+
+
+def describe_provenance(calibration: Calibration) -> str:
+    """Where a calibration's numbers come from, in words: ``"profiled"``, ``"profiled, provisional (why)"`` or
+    ``"corrected from N training steps"``."""
+    prov = provenance(calibration)
+    if prov["source"] == "corrected":
+        return f"corrected from {int(prov.get('training_steps', 0)):,} training steps"
+    why = prov.get("provisional")
+    return f"{prov['source']}, provisional ({why})" if why else str(prov["source"])
+
+
+def is_provisional(calibration: Calibration) -> bool:
+    """Whether the record is a profile too noisy to serve from the cache (the next run profiles again)."""
+    return bool(provenance(calibration).get("provisional"))
+
+
+def write_cache(cache_dir: str | os.PathLike, calibration: Calibration,
+                provenance: dict[str, Any] | None = None) -> Path:
+    """Write ``calibration`` as the cache entry of its key, replacing any entry there (a corrected
+    calibration replaces the profile it corrected); with ``provenance``, as its ``extra["provenance"]``.
+    Atomic (a reader never sees half a file); temp files of killed writers are removed."""
+    if provenance is not None:
+        calibration = dataclasses.replace(calibration, extra={**calibration.extra, "provenance": dict(provenance)})
     path = cache_path(cache_dir, calibration.key)
     path.parent.mkdir(parents=True, exist_ok=True)
     now = time.time()

@@ -1,6 +1,7 @@
 """calibrate(): what the conductor decides between profiling and the policy (flat profiles, pinned files of
 another setup, what the cache keeps)."""
 
+import dataclasses
 import time
 import warnings
 
@@ -15,6 +16,7 @@ from lightning_adaptiveload.calibration.calibrate import (
     checkpoint_state,
     derive_for,
     key_diff,
+    too_noisy,
 )
 from lightning_adaptiveload.calibration.costmodel import CostModel
 from lightning_adaptiveload.calibration.profile import Measurement
@@ -125,3 +127,87 @@ def test_a_pinned_calibration_of_another_setup_is_used_with_a_warning_naming_the
     calibrate(GRIDS, COUNTS, ProfileSettings(), never, key={**KEY, "device": "NVIDIA H100"}, pinned=pinned,
               warn=warned.append)
     assert warned == []
+
+
+def _timed_trainee(clock, seconds):
+    """A trainee whose step takes seconds(B, S) on the fake clock."""
+
+    def make_step(b, grid):
+        s = int(np.prod(grid))
+
+        def step():
+            clock.t += seconds(b, s)
+
+        return step
+
+    return Trainee(make_step)
+
+
+MIXED = np.array([(1, 4, 4), (1, 4, 8), (1, 8, 8), (3, 4, 6), (5, 6, 6)])
+MIXED_COUNTS = np.array([50, 50, 50, 50, 50])
+QUIET = CostModel("quadratic", {"a": 0.02, "c1": 1e-4, "c2": 1e-6})
+
+
+def test_a_noisy_profile_serves_its_run_but_the_next_run_profiles_again(monkeypatch, tmp_path):
+    clock = FakeClock()
+    monkeypatch.setattr(time, "perf_counter", clock)
+    rng = np.random.default_rng(0)
+    settings = ProfileSettings(repeats=3, warmup=0, converge_rel=0.0, stable_rel=0.0)
+    key = dict(KEY)
+
+    def run(seconds):
+        said, warned = [], []
+        result = calibrate(MIXED, MIXED_COUNTS, settings, _timed_trainee(clock, seconds), key=key, cache_dir=tmp_path,
+                           say=said.append, warn=warned.append)
+        return result, said, warned
+
+    # A busy device: every step 0.5-2x what the shape costs.
+    noisy, _, warned = run(lambda b, s: float(QUIET.predict(b, s)) * rng.uniform(0.5, 2.0))
+    assert noisy.profiled and noisy.derivation.policy is not None  # this run trains with it
+    assert record.is_provisional(noisy.calibration)
+    why = noisy.calibration.extra["provenance"]["provisional"]
+    assert "median spread of repeated steps" in why and "above 25%" in why
+    assert sum("too noisy to keep" in w for w in warned) == 1 and "next run profiles again" in warned[-1]
+    assert record.is_provisional(record.read_cache(tmp_path, key))  # cached, but marked
+    # The next run profiles again (a quiet device this time), and that profile is kept.
+    quiet, said, warned = run(lambda b, s: float(QUIET.predict(b, s)))
+    assert quiet.profiled and any("provisional" in line and "profiling again" in line for line in said)
+    assert quiet.calibration.extra["provenance"] == {"source": "profiled"} and not warned
+    # ... and served from the cache from then on, saying where its numbers come from.
+    third, said, _ = run(lambda b, s: 1.0)
+    assert not third.profiled and third.source == "cache"
+    assert any(line.startswith("calibration from cache") and line.endswith("(profiled)") for line in said)
+
+
+def test_a_noisy_fit_alone_is_provisional_too():
+    cal = _flat_calibration()
+    assert too_noisy(cal) == ""  # held-out error unknown (five points), spreads unknown: nothing to hold against it
+    noisy = record.Calibration(cal.key, CostModel("quadratic", QUIET.params, {"heldout_median_rel_error": 0.4}),
+                               cal.measurements)
+    assert too_noisy(noisy) == "held-out median error 40% above 25%"
+    spread = [dataclasses.replace(m, spread=0.3) for m in cal.measurements]
+    assert too_noisy(dataclasses.replace(cal, measurements=spread)) == "median spread of repeated steps 30% above 25%"
+
+
+def test_a_corrected_calibration_replaces_the_cache_entry_and_says_so(monkeypatch, tmp_path):
+    from lightning_adaptiveload.calibration.feedback import Observation, refit
+
+    clock = FakeClock()
+    monkeypatch.setattr(time, "perf_counter", clock)
+    settings = ProfileSettings(repeats=2, warmup=0, converge_rel=0.0)
+    first = calibrate(MIXED, MIXED_COUNTS, settings, _timed_trainee(clock, lambda b, s: float(QUIET.predict(b, s))),
+                      key=dict(KEY), cache_dir=tmp_path)
+    seq = MIXED.prod(axis=1)
+    observed = [Observation(int(b), int(s), 1.1 * float(QUIET.predict(b, s)), 20)
+                for b, s in zip(first.derivation.policy.batch_sizes(seq), seq, strict=True)]
+    corrected = refit(first.calibration, observed)
+    record.write_cache(tmp_path, corrected)
+    said = []
+    again = calibrate(MIXED, MIXED_COUNTS, settings, lambda: pytest.fail("profiled"), key=dict(KEY),
+                      cache_dir=tmp_path, say=said.append)
+    assert again.source == "cache" and again.calibration.to_json() == corrected.to_json()
+    assert any(line.startswith("calibration from cache") and "(corrected from 100 training steps)" in line
+               for line in said)
+    # write_cache(provenance=...) stamps a record's provenance as it writes it.
+    record.write_cache(tmp_path, first.calibration, provenance={"source": "profiled", "provisional": "a test"})
+    assert record.describe_provenance(record.read_cache(tmp_path, KEY)) == "profiled, provisional (a test)"

@@ -116,3 +116,18 @@ def test_model_fingerprint_follows_the_architecture_only():
 
     assert model_fingerprint(WithConfig({"layers": 2})) == model_fingerprint(WithConfig({"layers": 2}))
     assert model_fingerprint(WithConfig({"layers": 2})) != model_fingerprint(WithConfig({"layers": 3}))
+
+
+def test_an_entry_written_before_provenance_and_spreads_reads_as_a_profile(tmp_path):
+    d = _cal().to_dict()
+    assert "extra" not in d  # what a record of an earlier release holds
+    for m in d["measurements"]:
+        m.pop("spread")
+    record.cache_path(tmp_path, KEY).write_text(json.dumps(d))
+    old = read_cache(tmp_path, KEY)
+    assert old is not None and all(m.spread is None for m in old.measurements)
+    assert record.provenance(old) == {"source": "profiled"} and record.describe_provenance(old) == "profiled"
+    assert not record.is_provisional(old)
+    # A newer entry replaces it, with its provenance.
+    write_cache(tmp_path, old, provenance={"source": "corrected", "training_steps": 1200})
+    assert record.describe_provenance(read_cache(tmp_path, KEY)) == "corrected from 1,200 training steps"
