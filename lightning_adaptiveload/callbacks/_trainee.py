@@ -124,7 +124,15 @@ def _no_trace(trainer: Trainer, pl_module: LightningModule) -> Iterator[None]:
 
 
 def _step(trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
-    """One forward + backward as the training loop runs it, without optimizer step or hooks."""
+    """One forward + backward as the training loop runs it, without optimizer step or hooks.
+
+    Through the strategy's wrapper, so the gradient synchronisation DDP and FSDP run inside the backward is
+    timed. The optimizer step is not: timing it would need the weights and the optimizer state copied and
+    restored (for Adam three times the parameters, beyond what :func:`_no_trace` keeps), and its first step
+    allocates that state, which the memory budget counts apart (``pending_bytes``). It costs the same for
+    every batch, so it belongs to the intercept, which the closed loop measures from training's own steps
+    (:func:`lightning_adaptiveload.calibration.feedback.refit`) together with the loader hand-over,
+    callbacks and logging."""
     strategy = trainer.strategy
     with trainer.precision_plugin.train_step_context():
         wrapper = strategy.model
