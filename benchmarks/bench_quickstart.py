@@ -33,7 +33,7 @@ from _results import RESULTS, append_record, run_info  # noqa: E402
 BASELINE = ["bucketing=equal_token", "bucketing.policy.max_tokens=4096"]
 _DECISION = re.compile(r"`ShapeBenchmarkCallback`: step (\d+): (re-plan|keep the plan): ([+-][0-9.]+)% .*?"
                        r"measured/predicted over \d+ shape\(s\), [0-9,]+ steps: ([0-9.]+) \(([0-9.]+)-([0-9.]+)\) -> "
-                       r"([0-9.]+) \(([0-9.]+)-([0-9.]+)\)")
+                       r"([0-9.]+) \(([0-9.]+)-([0-9.]+)\).*?the plan now trains at ([0-9,]+) predicted tokens/s")
 
 
 def _burn(stop: Any) -> None:
@@ -42,7 +42,9 @@ def _burn(stop: Any) -> None:
         x = (x * 31 + 7) % 1_000_003
 
 
-def _run(kind: str, extra: list[str], work: Path, cache: Path, timeout: int) -> dict[str, Any]:
+def run_train(kind: str, extra: list[str], work: Path, cache: Path, timeout: int) -> dict[str, Any]:
+    """One ``adaptiveload-train`` run with ``extra`` overrides (plus the baseline's for ``kind="baseline"``):
+    its final metrics, wall time and the closed loop's decisions as logged."""
     out = work / kind / str(time.time_ns())
     args = ["adaptiveload-train", f"output_dir={out}", f"hydra.run.dir={out}",
             f"callbacks.shape_benchmark.cache_dir={cache}", *extra]
@@ -57,10 +59,13 @@ def _run(kind: str, extra: list[str], work: Path, cache: Path, timeout: int) -> 
     metrics = json.loads((out / "metrics.json").read_text())
     decisions = [{"step": int(m[1]), "replan": m[2] == "re-plan", "gain": float(m[3]) / 100,
                   "ratio_before": [float(m[4]), float(m[5]), float(m[6])],
-                  "ratio_after": [float(m[7]), float(m[8]), float(m[9])]} for m in _DECISION.finditer(log)]
+                  "ratio_after": [float(m[7]), float(m[8]), float(m[9])],
+                  "predicted_tokens_per_s": float(m[10].replace(",", ""))} for m in _DECISION.finditer(log)]
     return {"kind": kind, "wall_s": wall, "tokens_per_s": metrics.get("balance/tokens_per_s"),
             "epoch_tokens_per_s": metrics.get("balance/epoch_tokens_per_s"), "steps": metrics.get("balance/steps"),
-            "profiled": "profiled in" in log, "decisions": decisions, "args": args[1:]}
+            "profiled": "profiled in" in log, "decisions": decisions, "args": args[1:],
+            "per_shape": [{k: r[k] for k in ("B", "S", "steps", "measured_over_predicted") if k in r}
+                          for r in metrics.get("per_shape", [])]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             work, cache = Path(tmp), Path(tmp) / "cache"
             for i in range(args.pairs):
                 for kind in ("quickstart", "baseline") if i % 2 == 0 else ("baseline", "quickstart"):
-                    runs.append(_run(kind, args.extra, work, cache, args.timeout))
+                    runs.append(run_train(kind, args.extra, work, cache, args.timeout))
                     r = runs[-1]
                     print(f"pair {i + 1}/{args.pairs} {kind}: {r['tokens_per_s']:,.0f} tokens/s "
                           f"(epoch {r['epoch_tokens_per_s'] or float('nan'):,.0f}), {r['wall_s']:.0f} s", flush=True)

@@ -314,7 +314,9 @@ class ShapeBenchmarkCallback(Callback):
         monitor.set_cost_model(model)
         self.decisions.append((step, decision, at))
         where = f"; re-planned from step {at} of the epoch" if at is not None else ""
-        rank_zero_info(f"{_NAME}: step {step}: {decision.summary()}{where} ({time.perf_counter() - start:.2f} s)")
+        tps = decision.new_tokens_per_s if at is not None else decision.old_tokens_per_s
+        rank_zero_info(f"{_NAME}: step {step}: {decision.summary()}{where}; the plan now trains at {tps:,.0f} "
+                       f"predicted tokens/s ({time.perf_counter() - start:.2f} s)")
         if self.cache_dir is not None and trainer.is_global_zero:
             record.write_cache(self.cache_dir, corrected)
 

@@ -132,7 +132,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     out_dir = cfg.get("output_dir")
     if out_dir and run.trainer.is_global_zero:  # the same numbers for scripts (benchmarks/bench_quickstart.py)
         Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / "metrics.json").write_text(json.dumps(metrics, indent=1, sort_keys=True))
+        per_shape = monitor.per_shape() if monitor is not None else []
+        (Path(out_dir) / "metrics.json").write_text(json.dumps({**metrics, "per_shape": per_shape}, indent=1,
+                                                               sort_keys=True, default=float))
     return metrics
 
 
