@@ -179,7 +179,8 @@ def _fit_with_corrections(merged: dict[tuple[int, int, str | None], float],
     return CostModel(fitted.form, fitted.params, fitted.quality, corrections), scales
 
 
-def refit(cal: record.Calibration, observed: Sequence[Observation]) -> record.Calibration:
+def refit(cal: record.Calibration, observed: Sequence[Observation], *,
+          overhead_s: float | None = None) -> record.Calibration:
     """``cal`` corrected by what training measured (see the module docstring).
 
     The cost model keeps ``cal``'s form; the tiers of per-bucket activation checkpointing keep their modes,
@@ -195,6 +196,9 @@ def refit(cal: record.Calibration, observed: Sequence[Observation]) -> record.Ca
         cal: the calibration training ran with (profiled, cached, pinned or already corrected).
         observed: per shape, the median of training's steps (max over ranks); ``(batch_size, seq_len,
             median_seconds, steps, mode)`` tuples are taken too.
+        overhead_s: the per-step time training spends outside the profiled forward + backward, when it was
+            measured (``BalanceMonitor.overhead_s``); ``None``: fitted with the clock factor where the
+            observed shapes' times allow it.
 
     Raises:
         ValueError: no observation, or an invalid one.
@@ -225,7 +229,14 @@ def refit(cal: record.Calibration, observed: Sequence[Observation]) -> record.Ca
     # batches training uses), else its fit, so the fit's error is not taken for a clock difference.
     predicted = np.array([measured.get((o.batch_size, o.seq_len, o.mode)) or profile.predict(o.batch_size, o.seq_len,
                                                                                                o.mode) for o in obs])
-    overhead, clock = _fit_transfer(predicted, np.array([o.median_seconds for o in obs]))
+    trained = np.array([o.median_seconds for o in obs])
+    if overhead_s is not None:
+        # Measured in training (the time outside forward + backward): only the clock factor is fitted. The
+        # balanced plan gives every batch nearly the same predicted time, so the two are rarely separable.
+        overhead = float(overhead_s)
+        clock = float(np.median(np.maximum(trained - overhead, 1e-12) / predicted))
+    else:
+        overhead, clock = _fit_transfer(predicted, trained)
 
     # The profile's points through the transfer; training's replace them at the same (B, S, mode).
     merged = {k: overhead + clock * t for k, t in measured.items()}
