@@ -183,11 +183,18 @@ def test_on_nonfinite_loss_skip_drops_the_step_and_trains_on(tmp_path):
     assert all(torch.isfinite(p).all() for p in module.parameters())
 
 
+def test_on_nonfinite_loss_off_trains_the_nan_into_the_weights(tmp_path):
+    module = _diverging({2})
+    module.on_nonfinite_loss = "off"  # the behaviour without the check, for loops that avoid every per-step sync
+    _fit(module, ManifestDataset(_manifest(tmp_path), text_len=16, text_dim=32))
+    assert module.nonfinite_loss_steps == 0 and not all(torch.isfinite(p).all() for p in module.parameters())
+
+
 def test_an_unknown_on_nonfinite_loss_is_named(tmp_path):
     module = _diverging(set())
     module.on_nonfinite_loss = "ignore"
     with pytest.raises(ValueError, match=r"`_NaNLossFor\(on_nonfinite_loss='ignore'\)` is not valid. Expected one of "
-                                         r"\('error', 'skip'\)"):
+                                         r"\('error', 'skip', 'off'\)"):
         _fit(module, ManifestDataset(_manifest(tmp_path), text_len=16, text_dim=32), max_steps=1)
 
 
