@@ -1,6 +1,6 @@
 """The README's quickstart against the README's equal-token baseline, as a user runs them.
 
-Alternates ``--pairs`` pairs of ``adaptiveload-train`` runs (subprocesses, the console script with the
+Alternates ``--pairs`` pairs of ``adaptiveload-train`` runs (subprocesses, ``python -m lightning_adaptiveload.train`` with the
 README's arguments): the quickstart (``adaptiveload-train``, calibrated, closed loop on) and the baseline
 ``adaptiveload-train bucketing=equal_token bucketing.policy.max_tokens=4096``, and records each run's
 tokens/s (``BalanceMonitor``'s run mean and its epoch estimate) from ``metrics.json``, the closed loop's
@@ -46,7 +46,7 @@ def run_train(kind: str, extra: list[str], work: Path, cache: Path, timeout: int
     """One ``adaptiveload-train`` run with ``extra`` overrides (plus the baseline's for ``kind="baseline"``):
     its final metrics, wall time and the closed loop's decisions as logged."""
     out = work / kind / str(time.time_ns())
-    args = ["adaptiveload-train", f"output_dir={out}", f"hydra.run.dir={out}",
+    args = [sys.executable, "-m", "lightning_adaptiveload.train", f"output_dir={out}", f"hydra.run.dir={out}",
             f"callbacks.shape_benchmark.cache_dir={cache}", *extra]
     if kind == "baseline":
         args += BASELINE
@@ -54,6 +54,8 @@ def run_train(kind: str, extra: list[str], work: Path, cache: Path, timeout: int
     proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - start
     log = proc.stdout + proc.stderr
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train.log").write_text(log)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} failed (rc {proc.returncode}):\n{log[-3000:]}")
     metrics = json.loads((out / "metrics.json").read_text())
@@ -63,7 +65,7 @@ def run_train(kind: str, extra: list[str], work: Path, cache: Path, timeout: int
                   "predicted_tokens_per_s": float(m[10].replace(",", ""))} for m in _DECISION.finditer(log)]
     return {"kind": kind, "wall_s": wall, "tokens_per_s": metrics.get("balance/tokens_per_s"),
             "epoch_tokens_per_s": metrics.get("balance/epoch_tokens_per_s"), "steps": metrics.get("balance/steps"),
-            "profiled": "profiled in" in log, "decisions": decisions, "args": args[1:],
+            "profiled": "profiled in" in log, "decisions": decisions, "overrides": args[3:],
             "per_shape": [{k: r[k] for k in ("B", "S", "steps", "measured_over_predicted") if k in r}
                           for r in metrics.get("per_shape", [])]}
 
