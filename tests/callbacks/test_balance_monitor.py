@@ -30,9 +30,10 @@ def _loader(n_batches=6):
 
 
 def _fake_clock(monkeypatch):
-    """Each step reads the clock four times: start, before backward, end, after the gather -> 1 s forward,
-    3 s step, then 7 s until the next step starts (data wait 7 / 10)."""
-    values = iter([10.0 * step + dt for step in range(100) for dt in (0.0, 1.0, 3.0, 3.0)])
+    """Each step reads the clock five times: start, before backward, before the optimizer step, end, after
+    the gather -> 1 s forward, 3 s step of which the last 1 s after the optimizer step began, then 7 s until
+    the next step starts (data wait 7 / 10)."""
+    values = iter([10.0 * step + dt for step in range(100) for dt in (0.0, 1.0, 2.0, 3.0, 3.0)])
     monkeypatch.setattr(balance_monitor, "time", SimpleNamespace(perf_counter=lambda: next(values)))
 
 
@@ -65,8 +66,8 @@ def test_gathered_rows_give_paper_metrics():
     # two ranks: step times 1 s and 3 s, predicted compute 2 and 6, tokens 10 and 30, no FLOPs counted
     # data wait 1 s before rank 0's step and 0.5 s before rank 1's
     # ... SM clocks 1,800 and 1,700 MHz, power 600 and 690 W
-    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 1.0, 0.0, 5.0, 1800.0, 600.0, 1.0, 2.0, 5.0],
-                                  [3.0, 1.5, 6.0, 30.0, 2**30, 0.0, 0.5, 2.0, 1.0, 1700.0, 690.0, 1.0, 2.0, 5.0]]))
+    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 1.0, 0.0, 5.0, 1800.0, 600.0, 1.0, 2.0, 5.0, 0.0],
+                                  [3.0, 1.5, 6.0, 30.0, 2**30, 0.0, 0.5, 2.0, 1.0, 1700.0, 690.0, 1.0, 2.0, 5.0, 0.0]]))
     m = monitor.last_metrics
     assert m["balance/step_time_cv"] == pytest.approx(0.5)
     assert m["balance/forward_time_cv"] == pytest.approx(0.5)
@@ -80,8 +81,8 @@ def test_gathered_rows_give_paper_metrics():
     assert m["balance/alloc_retries"] == 2.0 and m["balance/device_allocs"] == 5.0  # the most on any rank
     # The slowest clock and the highest draw over ranks.
     assert m["balance/sm_clock_mhz"] == 1700.0 and m["balance/power_w"] == 690.0
-    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1900.0, 500.0, 1.0, 2.0, 5.0],
-                                  [3.0, 1.5, 6.0, 30.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1750.0, 650.0, 1.0, 2.0, 5.0]]))
+    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1900.0, 500.0, 1.0, 2.0, 5.0, 0.0],
+                                  [3.0, 1.5, 6.0, 30.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1750.0, 650.0, 1.0, 2.0, 5.0, 0.0]]))
     assert monitor.last_metrics["train/data_wait_frac"] == pytest.approx(0.25)
     # over the run, per rank: rank 0 1 s of 3 s, rank 1 1.5 s of 7.5 s -> the larger
     s = monitor.summary()
@@ -90,8 +91,8 @@ def test_gathered_rows_give_paper_metrics():
     assert s["sm_clock_mhz"] == pytest.approx(1725.0) and s["power_w"] == pytest.approx(670.0)
     # A sample that could not be read (NaN) leaves that step's metric out and the run means unchanged.
     nan = float("nan")
-    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2000.0, 100.0, 1.0, 2.0, 5.0],
-                                  [3.0, 1.5, 6.0, 30.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0]]))
+    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2000.0, 100.0, 1.0, 2.0, 5.0, 0.0],
+                                  [3.0, 1.5, 6.0, 30.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0, 0.0]]))
     assert "balance/sm_clock_mhz" not in monitor.last_metrics
     s = monitor.summary()
     assert s["sm_clock_mhz"] == pytest.approx(1725.0)  # rank 1 over its 2 samples; rank 0's mean is 1,900
@@ -101,7 +102,7 @@ def test_gathered_rows_give_paper_metrics():
 def test_clock_and_power_are_left_out_when_not_measured():
     monitor = BalanceMonitor()
     nan = float("nan")
-    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0]]))
+    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0, 0.0]]))
     assert "balance/sm_clock_mhz" not in monitor.last_metrics and "sm_clock_mhz" not in monitor.summary()
 
 
@@ -351,6 +352,8 @@ def test_per_shape_report_compares_training_steps_with_the_cost_model(tmp_path, 
     assert [r["measured_over_predicted"] for r in rows] == pytest.approx([10.0 / 1.2, 10.0 / 1.8])
     assert monitor.observations(min_steps=3) == [(1, 24, pytest.approx(10.0), 3), (3, 12, pytest.approx(10.0), 3)]
     assert monitor.observations(min_steps=4) == []
+    # Outside forward + backward: 1 s from the optimizer step to the end, plus the 7 s wait before the step.
+    assert monitor.overhead_s() == pytest.approx(8.0)
     assert [r["tokens_per_s"] for r in rows] == pytest.approx([8.0, 12.0])
     # 1e12 FLOPs per token: 24 TFLOP in 3 s -> 8 TFLOP/s of 100; 36 TFLOP -> 12%.
     assert [r["mfu"] for r in rows] == pytest.approx([0.08, 0.12])
@@ -361,7 +364,7 @@ def test_per_shape_report_compares_training_steps_with_the_cost_model(tmp_path, 
 
 def test_per_shape_report_names_the_slowest_step_and_the_device_allocations(tmp_path, monkeypatch, capsys):
     # Step k reads the clock at 100k (start), 100k + 1 (before backward), then 100k + 2 + k twice: it takes 2 + k s.
-    values = iter([100.0 * k + dt for k in range(100) for dt in (0.0, 1.0, 2.0 + k, 2.0 + k)])
+    values = iter([100.0 * k + dt for k in range(100) for dt in (0.0, 1.0, 2.0 + k, 2.0 + k, 2.0 + k)])
     monkeypatch.setattr(balance_monitor, "time", SimpleNamespace(perf_counter=lambda: next(values)))
     # The allocator's cumulative counts at each step's start and end: step 3 maps memory 5 times, step 4 twice.
     mallocs = iter([0, 0, 0, 0, 0, 0, 0, 5, 5, 7, 7, 7, 7, 7])
@@ -434,8 +437,8 @@ def test_epoch_estimate_spreads_the_epoch_over_the_ranks_and_keeps_the_bubble():
     monitor = BalanceMonitor(cost_model=SimpleNamespace(predict=lambda b, s: 1.0))
     # Two ranks, one counted step: 2 s and 4 s (bubble 1 - 3/4), B=1 x S=8 on this rank.
     nan = float("nan")  # no clock or power (CPU)
-    monitor._accumulate(np.array([[2.0, 1.0, 1.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0],
-                                  [4.0, 1.0, 1.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0]]))
+    monitor._accumulate(np.array([[2.0, 1.0, 1.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0, 0.0],
+                                  [4.0, 1.0, 1.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0, 0.0]]))
     monitor._shape_sums[(1, 8)] = np.array([1.0, 2.0, 1.0, 0.0, 0.0, 2.0])
     e = monitor.epoch_estimate([{"seq_len": 8, "batch_size": 1, "batches": 6},
                                 {"seq_len": 16, "batch_size": 1, "batches": 2, "sp_degree": 2}])
@@ -477,9 +480,9 @@ def test_history_keeps_the_last_steps_and_the_means_all_of_them():
     monitor = BalanceMonitor(history_steps=2)
     nan = float("nan")
     for t in (1.0, 2.0, 3.0, 4.0):
-        monitor._accumulate(np.array([[t, t, t, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0]]))
+        monitor._accumulate(np.array([[t, t, t, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0, 0.0]]))
     assert [row[0][0] for row in monitor.history] == [3.0, 4.0]
     assert monitor.summary()["steps"] == 4.0 and monitor.summary()["tokens_per_s"] == pytest.approx(40.0 / 10.0)
     none = BalanceMonitor(history_steps=0)
-    none._accumulate(np.array([[1.0, 1.0, 1.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0]]))
+    none._accumulate(np.array([[1.0, 1.0, 1.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0, 0.0]]))
     assert len(none.history) == 0 and none.summary()["steps"] == 1.0
