@@ -74,6 +74,10 @@ def _probe(poison_step: int, poison: str, peak_tflops: float):
             if pl_module.device.type == "cuda":
                 torch.cuda.synchronize(pl_module.device)
 
+        def on_train_start(self, trainer, pl_module):
+            # The probe trains NaN weights on purpose: the module's non-finite loss check would stop it.
+            pl_module.on_nonfinite_loss = "off"
+
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if trainer.global_step == poison_step and poison != "none":
                 with torch.no_grad():
