@@ -18,6 +18,7 @@ from lightning_adaptiveload.calibration.costmodel import CostModel
 from lightning_adaptiveload.calibration.record import Calibration
 from lightning_adaptiveload.callbacks.shape_benchmark import ShapeBenchmarkCallback
 
+
 @pytest.fixture(autouse=True)
 def _keep_tiny_cpu_profiles(monkeypatch):
     # TinyModule's sub-millisecond CPU steps are noise by design (held-out error 17-99% on a busy 2-core
