@@ -1,9 +1,10 @@
 """One result file per benchmark under ``benchmarks/results/``; every record carries hardware, commit and date.
 
-JSON result files are a list of records ``{"benchmark", "hardware", "commit", "date", "result"}`` (records
-converted from the earlier one-file-per-run layout also name their ``source`` file); a run appends its record.
-CSV result files (``adaln.csv``) carry the same three columns on every row. ``commit`` is the checkout's
-``git rev-parse HEAD``, with ``+dirty`` when tracked files differ from it, so a number can be traced to code.
+JSON result files are a list of records ``{"benchmark", "command", "hardware", "commit", "date", "result"}``
+(records summarised from raw logs also name their ``source``: the file and the commit that held it); a run
+appends its record. CSV result files (``adaln.csv``) carry the same columns on every row. ``command`` is the
+command line of the run (default: this process's), ``commit`` the checkout's ``git rev-parse HEAD``, with
+``+dirty`` when tracked files differ from it, so a number can be traced to code.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -68,21 +71,34 @@ def load_result(path: str | Path, index: int = -1) -> dict[str, Any]:
     return data[index]["result"]
 
 
-def run_info() -> dict[str, str]:
-    """The ``hardware``, ``commit`` and ``date`` columns of one run: take them once, when the run starts."""
-    return {"hardware": hardware(), "commit": commit(), "date": now()}
+def command_line() -> str:
+    """This process's command line as it can be typed again (``python benchmarks/bench_x.py --flag v``)."""
+    argv = list(sys.argv)
+    if argv and argv[0].endswith(".py"):
+        path = Path(argv[0]).resolve()
+        argv = ["python", str(path.relative_to(_REPO)) if path.is_relative_to(_REPO) else argv[0], *argv[1:]]
+    return shlex.join(argv)
+
+
+def run_info(command: str | None = None) -> dict[str, str]:
+    """The ``command``, ``hardware``, ``commit`` and ``date`` columns of one run: take them once, when the run
+    starts (``command`` defaults to this process's command line)."""
+    return {"command": command or command_line(), "hardware": hardware(), "commit": commit(), "date": now()}
 
 
 def append_record(
-    path: str | Path, benchmark: str, result: dict[str, Any], run: dict[str, str] | None = None
+    path: str | Path, benchmark: str, result: dict[str, Any], run: dict[str, str] | None = None,
+    command: str | None = None,
 ) -> dict[str, Any]:
     """Append one run's ``result`` to the JSON result file at ``path`` (created if missing); return the record.
 
-    ``run`` (from :func:`run_info`, default: now) names the run: a record of the same benchmark and run
-    written earlier is replaced, so a run may save after every part and a cut-short run keeps what it measured.
+    ``run`` (from :func:`run_info`, default: now, with ``command``) names the run: a record of the same
+    benchmark and run written earlier is replaced, so a run may save after every part and a cut-short run
+    keeps what it measured. Every record carries ``command``, ``hardware``, ``commit`` and ``date``.
     """
     path = Path(path)
-    record = {"benchmark": benchmark, **(run or run_info()), "result": result}
+    run = {**run_info(command), **(run or {})}
+    record = {"benchmark": benchmark, **run, "result": result}
     same = ("benchmark", "commit", "date")
     records = [r for r in read_records(path) if [r.get(k) for k in same] != [record[k] for k in same]]
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 import triton.testing
-from _results import RESULTS, commit, hardware, now, write_csv_run
+from _results import RESULTS, run_info, write_csv_run
 
 from lightning_adaptiveload.ops import AdaLNLaunchOptions, adaln, adaln_ref
 
@@ -242,7 +242,7 @@ def main() -> None:
     )
     torch._dynamo.config.cache_size_limit = 64
     bw = copy_bandwidth()
-    run = {"hardware": hardware(), "commit": commit(), "date": now()}
+    run = run_info()
     rows = []
     shapes = {"all": SHAPES, "quick": SHAPES[:1]}.get(args.shapes) or _parse_shapes(args.shapes)
     print(f"copy bandwidth: {bw / 1e9:.0f} GB/s on {torch.cuda.get_device_name()}, L2 {_l2_bytes() / 2**20:.0f} MiB")

@@ -1,7 +1,8 @@
 """Where the fused AdaLN forward+backward spends its GPU time: every kernel of one step (ours and the
 autograd glue around it, e.g. the gradient of Wan's ``e.chunk(6)``), from the PyTorch profiler;
 with ``--graph``, CUDA-graph replays of the parts instead (the profiler's kernel spans overlap once
-kernels launch with programmatic dependent launch).
+kernels launch with programmatic dependent launch). Prints a table and appends one record to
+``results/adaln_profiles.json`` (``--out``).
 
     python benchmarks/breakdown_adaln.py [--shapes '1,32760,1536;4,1560,1536'] [--dtype bf16] [--steps 20] [--graph]
 """
@@ -12,6 +13,7 @@ import argparse
 
 import torch
 import triton.testing
+from _results import RESULTS, append_record
 from bench_adaln import _parse_shapes
 from torch.profiler import ProfilerActivity, profile
 
@@ -65,14 +67,19 @@ def main() -> None:
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--graph", action="store_true", help="time the parts as CUDA-graph replays")
+    parser.add_argument("--out", default=str(RESULTS / "adaln_profiles.json"), help="result file to append to")
     args = parser.parse_args()
+    sections = []
     shapes = _parse_shapes(args.shapes)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     for B, N, D in shapes:
         if args.graph:
             print(f"\n{(B, N, D)} {args.dtype}: CUDA-graph replay, median us")
-            for name, us in graph_parts(B, N, D, dtype).items():
+            parts = graph_parts(B, N, D, dtype)
+            for name, us in parts.items():
                 print(f"  {us:8.2f}  {name}")
+            sections.append({"shape": [B, N, D], "dtype": args.dtype, "unit": "us, CUDA-graph replay median",
+                             "rows": [{"part": k, "us": round(v, 2)} for k, v in parts.items()]})
             continue
         x = torch.randn(B, N, D, device="cuda", dtype=dtype, requires_grad=True)
         e = (torch.randn(B, 6, D, device="cuda") * 0.1).requires_grad_()
@@ -84,7 +91,7 @@ def main() -> None:
             for _ in range(args.steps):
                 chunked_step(x, e, gy)
             torch.cuda.synchronize()
-        total = 0.0
+        total, rows = 0.0, []
         print(f"\n{(B, N, D)} {args.dtype}: GPU time per step (us), {args.steps} steps")
         for ev in sorted(prof.key_averages(), key=lambda ev: -ev.device_time_total):
             if ev.device_time_total <= 0:
@@ -92,7 +99,11 @@ def main() -> None:
             per_step = ev.device_time_total / args.steps
             total += per_step
             print(f"  {per_step:8.2f}  x{ev.count // args.steps:<3} {ev.key[:110]}")
+            rows.append({"kernel": ev.key[:110], "calls": ev.count // args.steps, "us": round(per_step, 2)})
         print(f"  {total:8.2f}  total")
+        sections.append({"shape": [B, N, D], "dtype": args.dtype, "unit": f"us of GPU time per step, {args.steps} steps",
+                         "rows": rows, "total_us": round(total, 2)})
+    append_record(args.out, "breakdown_adaln.py" + (" --graph" if args.graph else ""), {"sections": sections})
 
 
 if __name__ == "__main__":

@@ -1,16 +1,18 @@
-"""Plots of an end-to-end benchmark result (``bench_e2e.py`` JSON), next to the JSON:
+"""Plots of an end-to-end benchmark result (``bench_e2e.py`` JSON), into ``--out-dir`` (default: the temporary
+folder; plots are drawn from the record, not kept in ``benchmarks/results/``):
 
 - ``<stem>_tokens_per_s.png``: tokens/s of every configuration, measured and simulated;
 - ``<stem>_step_times.png``: the per-step time of the slowest rank, per configuration;
 - ``<stem>_loss.png``: ``train/loss`` per step of every configuration (same seed).
 
-    python benchmarks/plot_e2e.py benchmarks/results/e2e.json [--record N]     # default: the last record
+    python benchmarks/plot_e2e.py benchmarks/results/e2e.json [--record N] [--out-dir DIR]   # default: the last record
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -75,9 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("result", help="bench_e2e.py result file")
     p.add_argument("--record", type=int, default=-1, help="which record of the file (default: the last)")
+    p.add_argument("--out-dir", default=tempfile.gettempdir(), help="where the pngs go (default: the temporary folder)")
     args = p.parse_args(argv)
     path = Path(args.result)
-    for out in plot(load_result(path, args.record), path.with_suffix("")):
+    for out in plot(load_result(path, args.record), Path(args.out_dir) / path.stem):
         print(f"wrote {out}")
     return 0
 

@@ -1,18 +1,20 @@
 """Plot a bench_speed.py result: per-shape tokens/s and MFU per setting, and the loss curves.
 
-    python benchmarks/plot_speed.py benchmarks/results/speed.json      # the file's last record
-Writes ``<stem>_shapes.png`` and, when the result has loss curves, ``<stem>_loss.png`` next to the JSON.
+    python benchmarks/plot_speed.py benchmarks/results/speed.json [OUT_DIR]     # the file's last record
+Writes ``<stem>_shapes.png`` and, when the result has loss curves, ``<stem>_loss.png`` into ``OUT_DIR``
+(default: the temporary folder; plots are drawn from the record, not kept in ``benchmarks/results/``).
 """
 
 from __future__ import annotations
 
 import sys
+import tempfile
 from pathlib import Path
 
 from _results import load_result
 
 
-def main(path: str) -> int:
+def main(path: str, out_dir: str | None = None) -> int:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -20,6 +22,7 @@ def main(path: str) -> int:
 
     src = Path(path)
     result = load_result(src)
+    dest = Path(out_dir or tempfile.gettempdir()) / src.stem
     settings = {k: v for k, v in result["settings"].items() if "per_shape" in v}
     shapes = list(next(iter(settings.values()))["per_shape"]) if settings else []
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
@@ -36,7 +39,8 @@ def main(path: str) -> int:
     meta = result["meta"]
     fig.suptitle(f"{meta['model']} ({meta['blocks']} blocks), {meta['device']}")
     fig.tight_layout()
-    fig.savefig(src.with_name(src.stem + "_shapes.png"), dpi=120)
+    fig.savefig(dest.with_name(dest.name + "_shapes.png"), dpi=120)
+    print(f"wrote {dest}_shapes.png")
     curves = result.get("loss_curves")
     if curves:
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -49,9 +53,10 @@ def main(path: str) -> int:
                      f"median |rel diff| {curves.get('median_rel_diff', float('nan')):.2e}")
         ax.legend()
         fig.tight_layout()
-        fig.savefig(src.with_name(src.stem + "_loss.png"), dpi=120)
+        fig.savefig(dest.with_name(dest.name + "_loss.png"), dpi=120)
+        print(f"wrote {dest}_loss.png")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1]))
+    raise SystemExit(main(*sys.argv[1:3]))

@@ -56,7 +56,7 @@ from _results import RESULTS, append_record, run_info  # noqa: E402
 from bench_e2e import _compose  # noqa: E402
 from bench_speed import SETTINGS, _overrides, _parse_shapes  # noqa: E402
 
-# The 1.3B recipe's plan on one H200 for the 480p mix (benchmarks/results/recipe_wan2_1_1_3b_480p_h200x1.log).
+# The 1.3B recipe's plan on one H200 for the 480p mix (its record in benchmarks/results/recipes.json).
 DEFAULT_SHAPES = "24x1x30x52,4x5x30x52,2x9x30x52,1x13x30x52,1x21x30x52"
 GROUPS = ("attention", "gemm", "fused_elementwise", "eager_elementwise", "optimizer", "communication", "memory")
 

@@ -19,6 +19,9 @@ timeout ${TIMEOUT:-560} python3 benchmarks/bench_closed_loop.py --name "wan2_1_1
     trainer.enable_checkpointing=false '~callbacks.model_checkpoint' trainer.enable_progress_bar=false logger=none \
     data.dataset.num_samples=20000 "${MIX[@]}" 2>&1 | tail -20
 kill $SMI 2>/dev/null
+python3 benchmarks/summarise.py clocks --csv "$OUT/gpu_clocks_closed_loop_${RECIPE:-480p}.csv" \
+    --benchmark device/gpu_closed_loop.sh --command "RECIPE=${RECIPE:-480p} bash benchmarks/device/gpu_closed_loop.sh" \
+    --out "$OUT/closed_loop.json"
 # The logs of both runs, short: the calibration line, the closed loop's lines, the final metrics.
 grep -h "ShapeBenchmarkCallback\`: step\|Final metrics\|means over" -A0 "$OUT"/runs_*/*/*/train.log 2>/dev/null | cut -c1-400 | tail -20
 true

@@ -23,4 +23,4 @@ for mode in per_bucket selective; do
   NAME=mixed_ratio_$mode STEPS=$steps WARMUP=$warmup RECIPE_TIMEOUT=$limit TAIL=${TAIL:-12} \
     bash benchmarks/device/gpu_recipe.sh "${ov[@]}"
 done
-grep -h "epoch of this plan" -A1 "$OUT"/recipe_mixed_ratio_*.log
+grep -h "epoch of this plan" -A1 "$OUT"/recipe_mixed_ratio_*.log  # each run's record: benchmarks/results/recipes.json

@@ -20,4 +20,7 @@ for part in $PARTS; do
   esac
 done
 kill "$SMI_PID" 2>/dev/null
+# The clock samples' summary joins the probe's records (the raw samples stay under $OUT).
+python3 benchmarks/summarise.py clocks --csv "$OUT/gpu_clocks_power_probe.csv" --benchmark device/gpu_power_probe.sh \
+    --command "PARTS='$PARTS' bash benchmarks/device/gpu_power_probe.sh" --out "$OUT/power_probe_h200x1.json"
 true

@@ -2,11 +2,13 @@
 # The 1.3B recipe as the README gives it, on one GPU, for a short run (run on the device, from the repository
 # root: `bash benchmarks/device/gpu_recipe.sh`). Writes under $OUT.
 # Extra arguments are Hydra overrides, e.g. data.dataset.mixture=wan_mixed_480p_720p, or experiment=... for
-# another recipe; NAME names the log (default: the 1.3B recipe's).
+# another recipe; NAME names the run (default: the 1.3B recipe's). The run's figures (profile, tokens/s, MFU, per-shape
+# steps, clocks and power) are appended as one record to $RESULT (default benchmarks/results/recipes.json, by
+# benchmarks/summarise.py); the raw log and clock samples stay under $OUT.
 # Dynamo's recompile reasons go to the log (TORCH_LOGS=recompiles unless set); the last line counts the
 # block graphs compiled. Compiles start cold (a fresh inductor cache unless TORCHINDUCTOR_CACHE_DIR is set), so
 # the profile time is a first run's. The GPU's SM clock, power and throttle reasons are sampled every second
-# to $OUT/gpu_clocks.csv (nvidia-smi), to tell a slower clock under sustained load from time the step adds.
+# to $OUT/gpu_clocks_$NAME.csv (nvidia-smi), to tell a slower clock under sustained load from time the step adds.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -37,4 +39,8 @@ TORCH_LOGS=${TORCH_LOGS:-recompiles} timeout ${RECIPE_TIMEOUT:-420} python3 -m l
   | tee "$LOG" | grep -v "__recompiles\]" | tail -${TAIL:-70}
 echo "block graphs compiled: $(( $(grep -c 'Recompiling function' "$LOG") + 1 )) (Dynamo recompiles + 1, from TORCH_LOGS=recompiles)"
 [ -n "$SMI_PID" ] && kill "$SMI_PID" "$APPS_PID" 2>/dev/null
+python3 benchmarks/summarise.py recipe --log "$LOG" --clocks "$OUT/gpu_clocks_${NAME:-recipe}.csv" \
+    --name "${NAME:-wan2_1_1_3b_480p_h200x1}" --out "${RESULT:-benchmarks/results/recipes.json}" \
+    --harness "STEPS=${STEPS:-40} WARMUP=${WARMUP:-10} benchmarks/device/gpu_recipe.sh" \
+    --command "adaptiveload-train experiment=${EXPERIMENT:-wan2_1_1_3b_480p} trainer.devices=1 $*"
 true

@@ -22,4 +22,6 @@ for part in $PARTS; do
   esac
 done
 kill "$SMI_PID" 2>/dev/null
+python3 benchmarks/summarise.py clocks --csv "$OUT/gpu_clocks_speed_of_light.csv" --benchmark device/gpu_speed_of_light.sh \
+    --command "PARTS='$PARTS' bash benchmarks/device/gpu_speed_of_light.sh" --out "$OUT/step_breakdown_h200x1.json"
 true
