@@ -60,7 +60,7 @@ def _world_size() -> int:
     return int(trainer.world_size) if trainer is not None else int(os.environ.get("WORLD_SIZE", 1))
 
 
-def _rank() -> int:
+def global_rank() -> int:
     """This process's global rank: the Trainer's, the process group's, else the launcher's environment."""
     trainer = _running.get("trainer")
     if trainer is not None:
@@ -133,7 +133,7 @@ class PeerErrorWatcher:
 
     @classmethod
     def start(cls, cfg: DictConfig, world_size: int) -> PeerErrorWatcher | None:
-        if world_size < 2 or _rank() != 0:
+        if world_size < 2 or global_rank() != 0:
             return None
         watcher = cls(_errors_dir(cfg))
         for stale in watcher.errors.glob("*.txt") if watcher.errors.is_dir() else []:
@@ -171,7 +171,7 @@ def exit_on_error(err: BaseException, cfg: DictConfig | None) -> None:
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
         ErrorHandler().record_exception(err)
-    rank = _rank()
+    rank = global_rank()
     text = _describe(err)
     errors = _errors_dir(cfg)
     multi = _world_size() > 1

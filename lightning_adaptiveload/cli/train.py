@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_adaptiveload.cli import checks, components, errors
+from lightning_adaptiveload.cli import checks, components, errors, interrupt
 from lightning_adaptiveload.cli.checks import instantiate_node, node_keys
 
 if TYPE_CHECKING:
@@ -115,6 +115,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
                 raise
             raise cli_error from err
     metrics = {k: float(v) for k, v in run.trainer.callback_metrics.items() if v.numel() == 1}
+    interrupted = interrupt.interrupt_of(run.trainer)
+    if interrupted is not None:  # a signal stopped the run after a step: main() exits 128 + its number
+        metrics["interrupted_by_signal"] = float(interrupted[0])
     if run.trainer.global_step == 0:
         rank_zero_warn("trained 0 steps: check trainer.max_steps, trainer.max_epochs and the data size.")
 
@@ -128,6 +131,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
         lines.append(f"  balance, means over {int(summary.get('steps', 0))} steps: {components.format_summary(summary)}")
     else:
         lines.append(f"  last logged values: {metrics}")
+    if interrupted is not None:
+        lines.append(interrupt.resume_hint(cfg, run.trainer, *interrupted))
     rank_zero_info("Final metrics\n" + "\n".join(lines))
     out_dir = cfg.get("output_dir")
     if out_dir and run.trainer.is_global_zero:  # the same numbers for scripts (benchmarks/bench_quickstart.py)
@@ -143,9 +148,10 @@ def main(cfg: DictConfig) -> None:
     """Console script ``adaptiveload-train``."""
     try:
         OmegaConf.resolve(cfg)
-        train(cfg)  # build() checks the required settings and ckpt_path before anything else
+        metrics = train(cfg)  # build() checks the required settings and ckpt_path before anything else
     except Exception as err:
         errors.exit_on_error(err, cfg)
+    interrupt.exit_if_interrupted(metrics, errors.global_rank())
 
 
 if __name__ == "__main__":
