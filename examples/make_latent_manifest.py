@@ -9,7 +9,8 @@ after encoding its media. Tensors are those of ``SyntheticMixedDataset`` with th
     python examples/make_latent_manifest.py --out /tmp/latents                      # tiny, 64 samples
     python examples/make_latent_manifest.py --out /data/wan --mixture wan_480p \\
         --num-samples 256 --text-len 512 --text-dim 4096 --dtype bfloat16
-    adaptiveload-train data=manifest data.dataset.path=/tmp/latents/manifest.jsonl
+    adaptiveload-train data=manifest data.dataset.path=/tmp/latents/manifest.jsonl    # the tiny one
+    adaptiveload-train experiment=wan2_1_1_3b_480p data=manifest data.dataset.path=/data/wan/manifest.jsonl
 
 Sizes at float32: an 81-frame 480p sample is 16x21x60x104 = 8.4 MB of latents (+ 8 MB of
 512x4096 context); an 81-frame 720p one 19.4 MB. ``--dtype bfloat16`` halves that.
@@ -117,7 +118,11 @@ def main(argv: list[str] | None = None) -> Path:
             shape = f"{row['num_frames']} x {row['height']} x {row['width']}"
             table.add_row(shape, str(row["token_grid"]), f"{row['seq_len']:,}", str(row["count"]))
     console.print(table)
-    console.print(f"Train on it: adaptiveload-train data=manifest data.dataset.path={manifest.resolve()}")
+    # The default model (tiny) takes the default text sizes; umT5-sized contexts need a Wan 2.1 recipe.
+    recipe = "experiment=wan2_1_14b_720p " if "720p" in args.mixture else "experiment=wan2_1_1_3b_480p "
+    model = recipe if args.text_dim == 4096 else ""
+    console.print(f"Train on it: adaptiveload-train {model}data=manifest data.dataset.path={manifest.resolve()}",
+                  soft_wrap=True)
     return manifest
 
 

@@ -63,6 +63,11 @@ def _load_tensors(path: str, what: str) -> dict[str, torch.Tensor]:
     )
 
 
+class ContextMismatchError(ValueError):
+    """A latent file's text context has another text encoder's width or length than the model's: the manifest
+    was written for another model (a setting to change, not a corrupt file to skip)."""
+
+
 class ManifestDataset(Dataset):
     """Samples listed in a manifest: precomputed latents, or images/videos encoded on the fly.
 
@@ -350,7 +355,17 @@ class ManifestDataset(Dataset):
             return torch.zeros(self.text_len, self.text_dim)
         if context.dim() == 3 and context.shape[0] == 1:
             context = context[0]
-        if context.dim() != 2 or context.shape[1] != self.text_dim or context.shape[0] > self.text_len:
+        if context.dim() == 2 and context.shape[1] != self.text_dim:
+            # Not a corrupt file: the manifest was encoded for another model's text encoder (on_corrupt='skip'
+            # would skip every sample), so a settings error, raised past on_corrupt.
+            raise ContextMismatchError(
+                f"{self._where(index)}: text context from {source} has shape {list(context.shape)}, but the model "
+                f"takes [L <= text_len={self.text_len}, text_dim={self.text_dim}]: the manifest was written for "
+                "another model. Train with the model it was written for, e.g. `adaptiveload-train "
+                "experiment=wan2_1_1_3b_480p data=manifest ...` for a Wan 2.1 manifest (umT5: text_len 512, "
+                "text_dim 4096), or `model=...`"
+            )
+        if context.dim() != 2 or context.shape[0] > self.text_len:
             raise CorruptSampleError(
                 f"text context from {source} has shape {list(context.shape)}; expected [L, {self.text_dim}] "
                 f"with L <= text_len={self.text_len}"

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from lightning_adaptiveload.data.bad_samples import BadSampleError
 from lightning_adaptiveload.data.collate import collate_batch
-from lightning_adaptiveload.data.manifest import ManifestDataset, read_manifest_shapes
+from lightning_adaptiveload.data.manifest import ContextMismatchError, ManifestDataset, read_manifest_shapes
 from lightning_adaptiveload.data.media import (
     CorruptSampleError,
     PatchPoolEncoder,
@@ -270,6 +270,20 @@ def test_text_context_sources(tmp_path):
         match=r"text context from .*long.pt has shape \[7, 8\]; expected \[L, 8\] with L <= text_len=6",
     ):
         ds[5]
+
+
+def test_context_of_another_text_encoder_names_the_model_override_not_on_corrupt(tmp_path):
+    # A Wan manifest (umT5 contexts, width 4096) read with the tiny model's text_dim: every sample would be
+    # "corrupt", so skipping is no fix; the error names the row and the model / experiment override.
+    save_latents(tmp_path / "wan.safetensors", (16, 1, 8, 8), context=torch.ones(5, 64))
+    for on_corrupt in ("error", "skip"):
+        ds = ManifestDataset(write_manifest(tmp_path, [row("wan.safetensors")]), on_corrupt=on_corrupt, **TEXT)
+        with pytest.raises(ContextMismatchError) as err:
+            ds[0]
+        message = str(err.value)
+        assert message.startswith("manifest row 1 (wan.safetensors): text context from ") and "\n" not in message
+        assert "[5, 64], but the model takes [L <= text_len=6, text_dim=8]" in message
+        assert "experiment=wan2_1_1_3b_480p" in message and "on_corrupt" not in message
 
 
 def test_corrupt_latents_error_and_skip(tmp_path):
@@ -586,3 +600,18 @@ def test_hydra_manifest_config_passes_on_bad_sample_and_max_abs_value(tmp_path):
         ds[3]
     ds = instantiate(skipping.data.dataset, **model)
     assert "bad" not in ds[3] and "bad" in ds[1]  # 1e30 is within 1e31; NaN never is
+
+
+def test_make_latent_manifest_prints_the_command_of_the_model_it_was_written_for(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).parents[2] / "examples" / "make_latent_manifest.py"
+    spec = importlib.util.spec_from_file_location("make_latent_manifest", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for text, expected in ((["--text-len", "512", "--text-dim", "4096"], "experiment=wan2_1_1_3b_480p data=manifest"),
+                           ([], "adaptiveload-train data=manifest")):
+        manifest = module.main(["--out", str(tmp_path / str(len(text))), "--num-samples", "2", *text])
+        assert f"Train on it: {'adaptiveload-train ' if text else ''}{expected} data.dataset.path={manifest.resolve()}" \
+            in capsys.readouterr().out.replace("\n", "")
