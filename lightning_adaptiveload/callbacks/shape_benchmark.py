@@ -42,6 +42,7 @@ from lightning_adaptiveload.callbacks._trainee import (
     samples_of,
 )
 from lightning_adaptiveload.callbacks.balance_monitor import BalanceMonitor
+from lightning_adaptiveload.models.attention import choose_attention
 from lightning_adaptiveload.reporting import print_calibration, save_calibration
 
 _NAME = CALLBACK_NAME
@@ -213,6 +214,8 @@ class ShapeBenchmarkCallback(Callback):
         # checkpoint) still gives the per-bucket modes.
         self._auto_checkpointing = getattr(pl_module, "checkpointing", None) == "auto"
         grids, counts = corpus(trainer)
+        # attention="auto": the backends are chosen first, so the profile and the key see them.
+        choose_attention(trainer, pl_module, say=lambda line: rank_zero_info(f"{_NAME}: {line}"))
         result = calibrate(
             grids, counts, self.settings, lambda: lightning_trainee(trainer, pl_module, self._auto_checkpointing),
             key=calibration_key(trainer, pl_module, self.settings, grids, PROFILE_VERSION), pinned=self.calibration_path,

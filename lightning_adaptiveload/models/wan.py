@@ -47,6 +47,7 @@ from lightning_adaptiveload.geometry import token_grid as _token_grid
 from lightning_adaptiveload.models.compiling import compile_blocks as compile_repeated
 from lightning_adaptiveload.models.compiling import mark_dynamic, whole_block_graphs
 from lightning_adaptiveload.modules.adaln import AdaLayerNorm
+from lightning_adaptiveload.ops.attention import ATTENTION_BACKENDS, FA4_OPS, attention
 
 __all__ = [
     "CHECKPOINTING_MODES",
@@ -306,7 +307,7 @@ def _attention_ops() -> frozenset:
         "_scaled_dot_product_flash_attention_for_cpu",
         "_scaled_dot_product_fused_attention_overrideable",
     )
-    return frozenset(getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n))
+    return frozenset(getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n)) | set(FA4_OPS)
 
 
 def _save_attention_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -384,6 +385,9 @@ class WanSelfAttention(nn.Module):
         self.o = nn.Linear(dim, dim)
         self.norm_q = WanRMSNorm(dim, eps) if qk_norm else nn.Identity()
         self.norm_k = WanRMSNorm(dim, eps) if qk_norm else nn.Identity()
+        #: The attention backend (:data:`~lightning_adaptiveload.ops.attention.ATTENTION_BACKENDS`), set by
+        #: :meth:`WanModel.set_attention_backend`; compiled blocks compile once per backend they run.
+        self.backend = "sdpa"
 
     def forward(
         self,
@@ -409,8 +413,7 @@ class WanSelfAttention(nn.Module):
         if sequence_parallel is not None:
             # One exchange for q, k and v (stacked on the batch dim) instead of three.
             q, k, v = sequence_parallel.seq_to_heads(torch.cat([q, k, v])).chunk(3)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        out = out.transpose(1, 2)
+        out = attention(q, k, v, self.backend)
         if sequence_parallel is not None:
             out = sequence_parallel.heads_to_seq(out)
         return self.o(out.flatten(2))
@@ -601,6 +604,17 @@ class WanModel(nn.Module):
         for module in self.modules():
             if isinstance(module, WanAttentionBlock):
                 module.checkpointing = mode
+
+    def set_attention_backend(self, backend: str) -> None:
+        """Run self- and cross-attention of every block through ``backend`` (``"sdpa"`` or ``"fa4"``, see
+        :mod:`lightning_adaptiveload.ops.attention`). Cheap: it sets one attribute per attention module."""
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"`WanModel.set_attention_backend({backend!r})` is not valid. Expected one of {list(ATTENTION_BACKENDS)}."
+            )
+        for module in self.modules():
+            if isinstance(module, WanSelfAttention):
+                module.backend = backend
 
     def compile_blocks(self, **kwargs: Any) -> None:
         """Compile every transformer block in place (regional compilation, as ``torch.compile``
