@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_module
@@ -139,6 +140,23 @@ def test_as_overrides_rewrites_python_arguments_of_a_node():
         "row 3: height=-1. Fix the row, or pass `data.dataset.on_bad_row=skip` to skip it; "
         "data.dataset.patch_size=[1,2,2], data.dataset.x=null"
     )
+    # Dicts become a quoted Hydra dict, `...` stays a placeholder (never Python's `Ellipsis`).
+    msg = "`P(batch_sizes={16: 8, 64: <B>})`, `P(batch_sizes={16: 8})` or `P(batch_sizes=...)`"
+    assert as_overrides(msg, "bucketing.policy", ["batch_sizes"], "P") == (
+        "`bucketing.policy.batch_sizes='{16: 8, 64: <B>}'`, `bucketing.policy.batch_sizes='{16: 8}'` or "
+        "`bucketing.policy.batch_sizes=...`"
+    )
+
+
+def test_fixed_batch_error_is_the_override_with_the_table_to_fill_in(tmp_path):
+    from lightning_adaptiveload.bucketing.policy import FixedBatchPolicy
+
+    cfg = _compose(["bucketing=fixed", "bucketing.policy.batch_sizes={16: 8}"], tmp_path)
+    with pytest.raises(ValueError) as err:
+        FixedBatchPolicy({16: 8}).batch_sizes(np.array([16, 64, 120]))
+    message = as_overrides(str(err.value), "bucketing.policy", list(cfg.bucketing.policy.keys()), "FixedBatchPolicy")
+    assert "List every S, e.g. `bucketing.policy.batch_sizes='{16: 8, 64: <B>, 120: <B>}'`" in message
+    assert "Ellipsis" not in message and "`bucketing.policy.default=<B>`" in message
 
 
 def _manifest(tmp_path: Path, rows: list[str]) -> Path:

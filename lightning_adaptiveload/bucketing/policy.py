@@ -164,9 +164,12 @@ class FixedBatchPolicy(BatchSizePolicy):
         missing = sorted({int(s) for s in seq_lens if int(s) not in self.table})
         if missing and self.default is None:
             more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            # The table to write, with <B> where a batch size is missing (up to 8 of them).
+            example = ", ".join([f"{s}: {b}" for s, b in self.table.items()] + [f"{s}: <B>" for s in missing[:8]])
             raise ValueError(
                 f"`FixedBatchPolicy` has no batch size for S={missing[0]} (unlisted sequence lengths of the data: "
-                f"{missing[:8]}{more}; listed: {sorted(self.table)}). List every S in `FixedBatchPolicy(batch_sizes=...)`, "
+                f"{missing[:8]}{more}; listed: {sorted(self.table)}). List every S, e.g. "
+                f"`FixedBatchPolicy(batch_sizes={{{example}{', ...' if more else ''}}})`, "
                 "or give one B for every unlisted S with `FixedBatchPolicy(default=<B>)`."
             )
         return np.array([self.table.get(int(s), self.default or 0) for s in seq_lens], dtype=np.int64)

@@ -34,7 +34,7 @@ class MissingSettingError(ConfigError):
 # ---------------------------------------------------------------------------------------------
 # Errors in the form of the command line: `Cls(arg='x')` → `node.arg=x`.
 
-_VALUE = r"""'[^']*'|"[^"]*"|\([^()]*\)|\[[^\[\]]*\]|[^\s,;:`)]+"""
+_VALUE = r"""'[^']*'|"[^"]*"|\([^()]*\)|\[[^\[\]]*\]|\{[^{}]*\}|[^\s,;:`)]+"""
 
 
 def _override_value(text: str) -> str:
@@ -42,13 +42,18 @@ def _override_value(text: str) -> str:
     try:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
-        return text
+        # A dict with placeholders ({16: 8, 64: <B>}): quoted, as the shell needs a value with spaces.
+        return f"'{text}'" if text.startswith("{") else text
     return _format_override(value)
 
 
 def _format_override(value: Any) -> str:
     if value is None:
         return "null"
+    if value is Ellipsis:  # a message's `arg=...`: the value to fill in, not Python's Ellipsis
+        return "..."
+    if isinstance(value, dict):
+        return "'{" + ", ".join(f"{_format_override(k)}: {_format_override(v)}" for k, v in value.items()) + "}'"
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, (list, tuple)):
