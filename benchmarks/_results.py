@@ -60,14 +60,17 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
-def load_result(path: str | Path, index: int = -1) -> dict[str, Any]:
-    """The ``result`` of record ``index`` (default: the last) of a JSON result file; a file of one bare
-    result (a benchmark's output before result files held records) is returned as it is."""
+def load_result(path: str | Path, index: int = -1, benchmark: str | None = None) -> dict[str, Any]:
+    """The ``result`` of record ``index`` (default: the last) of a JSON result file, counting only the records
+    of ``benchmark`` when given (a device script adds its clock samples' record to the same file); a file of
+    one bare result (a benchmark's output before result files held records) is returned as it is."""
     data = json.loads(Path(path).read_text())
     if isinstance(data, dict):
         return data
+    if benchmark is not None:
+        data = [r for r in data if r.get("benchmark") == benchmark]
     if not data:
-        raise ValueError(f"{path}: no records")
+        raise ValueError(f"{path}: no records" + (f" of {benchmark}" if benchmark else ""))
     return data[index]["result"]
 
 

@@ -21,7 +21,7 @@ def main(path: str, out_dir: str | None = None) -> int:
     import matplotlib.pyplot as plt
 
     src = Path(path)
-    result = load_result(src)
+    result = load_result(src, benchmark="bench_speed.py")
     dest = Path(out_dir or tempfile.gettempdir()) / src.stem
     settings = {k: v for k, v in result["settings"].items() if "per_shape" in v}
     shapes = list(next(iter(settings.values()))["per_shape"]) if settings else []

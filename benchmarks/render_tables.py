@@ -1,7 +1,8 @@
-"""Print the markdown tables of docs/benchmarks.md from the result files in benchmarks/results/.
+"""Print the markdown tables of README.md and docs/benchmarks.md from the result files in benchmarks/results/,
+and the figures the prose cites (``figures()``; tests/test_numbers.py checks both against the documents).
 
     python benchmarks/render_tables.py            # all tables
-    python benchmarks/render_tables.py adaln      # one of: adaln, sampler, breakdown
+    python benchmarks/render_tables.py recipes    # one of: recipes, speed, simulate, adaln, sampler, breakdown
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import RESULTS, load_result  # noqa: E402
+from _results import RESULTS, load_result, read_records  # noqa: E402
 
 
 def _pct(v: float) -> str:
@@ -83,10 +84,153 @@ def breakdown() -> str:
     """The latest record of ``step_breakdown_h200x1.json`` (step_breakdown.py's own table)."""
     from step_breakdown import table
 
-    return table(load_result(RESULTS / "step_breakdown_h200x1.json"))
+    return table(load_result(RESULTS / "step_breakdown_h200x1.json", benchmark="step_breakdown.py"))
 
 
-TABLES = {"adaln": adaln, "sampler": sampler, "breakdown": breakdown}
+# The README's measured table: each row names the record (by its log in ``source.files``) that gives its
+# figures; a row whose profile was re-measured under the current profile rules names that record apart.
+RECIPE_ROWS = [
+    ("experiment=wan2_1_1_3b_480p", "480p images + clips", "recipe_wan2_1_1_3b_480p_h200x1_fusion_off.log", None),
+    ("experiment=wan2_1_1_3b_480p data.dataset.mixture=wan_mixed_480p_720p",
+     "480p + 720p (720p clips in `selective`, the rest `none`)", "recipe_mixed_profile_fix_h200x1.log", None),
+    ("experiment=wan2_1_1_3b_480p model=diffusers_wan2_1_1_3b model.compile=true", "480p (diffusers' Wan)",
+     "recipe_diffusers_480p_compiled_fusion_off_h200x1.log", None),
+    ("experiment=wan2_1_1_3b_480p model=diffusers_wan2_1_1_3b model.compile=true data.dataset.mixture=wan_mixed_480p_720p",
+     "480p + 720p (diffusers' Wan)", "recipe_diffusers_mixed_compiled_h200x1.log",
+     "recipe_diffusers_mixed_compiled_profile_fix_h200x1.log"),
+    ("experiment=wan2_1_14b_720p ++model.model.num_layers=4 strategy=fsdp2 trainer.num_nodes=1",
+     "480p + 720p, 14B at 4 of 40 blocks", "recipe_wan14b_4blocks_fusion_off_h200x1.log", None),
+]  # fmt: skip
+
+
+def recipe_record(log: str) -> dict:
+    """The record of ``recipes.json`` summarised from ``log`` (or, for a run ``device/gpu_recipe.sh`` recorded,
+    named after it: ``NAME`` of ``recipe_NAME.log``)."""
+    for r in reversed(read_records(RESULTS / "recipes.json")):
+        if log in r.get("source", {}).get("files", []) or f"recipe_{r['result'].get('name')}.log" == log:
+            return r
+    raise KeyError(f"no record of recipes.json was summarised from {log}")
+
+
+def _short(commit: str) -> str:
+    return commit.split()[0][:7]
+
+
+def recipes() -> str:
+    out = [
+        "| command (`adaptiveload-train ... trainer.devices=1`) | corpus | profile | tokens/s | MFU | steps (warm-up) "
+        "| commit |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for command, corpus, log, profile_log in RECIPE_ROWS:
+        r = recipe_record(log)
+        t = r["result"]["log_summary"]["training"]
+        p = recipe_record(profile_log or log)["result"]["log_summary"]["calibration"]
+        commits = _short(r["commit"]) + (" (profile: a later run of the same command)" if profile_log else "")
+        out.append(
+            f"| `{command}` | {corpus} | {p['profile_s']} s | {t['tokens_per_s']:,} | {t['mfu_pct']}% "
+            f"| {t['measured_steps']} ({t['warmup_steps']}) | {commits} |"
+        )
+    return "\n".join(out)
+
+
+def figures() -> dict[str, str]:
+    """The figures README.md, docs/ and examples/ cite in prose, by name, formatted as they are printed."""
+    f: dict[str, str] = {}
+    names = ("r480", "mixed", "diffusers480", "diffusers_mixed", "wan14b")
+    for name, (_, _, log, profile_log) in zip(names, RECIPE_ROWS, strict=True):
+        r = recipe_record(log)["result"]
+        t, c = r["log_summary"]["training"], recipe_record(profile_log or log)["result"]["log_summary"]["calibration"]
+        f.update({f"{name}.tokens_per_s": f"{t['tokens_per_s']:,}", f"{name}.mfu": f"{t['mfu_pct']}",
+                  f"{name}.tflops": f"{t['model_tflops_per_gpu']}", f"{name}.profile_s": f"{c['profile_s']}",
+                  f"{name}.compile_s": f"{c['compile_s']:.0f}", f"{name}.steps": f"{t['measured_steps']}",
+                  f"{name}.warmup": f"{t['warmup_steps']}", f"{name}.date": recipe_record(log)["date"][:10]})  # fmt: skip
+        per_shape = next((tb for tb in r["log_summary"].get("tables", []) if tb["title"].startswith("Per batch shape")), None)
+        if per_shape:
+            mfu = [row[per_shape["columns"].index("MFU")] for row in per_shape["rows"]]
+            f[f"{name}.shape_mfu"] = f"{min(mfu)}–{max(mfu)}%"
+    clocks = [recipe_record(log)["result"]["log_summary"]["training"].get("sm_clock_mhz") for _, _, log, _ in RECIPE_ROWS]
+    eager = recipe_record("recipe_diffusers_mixed_eager_fused_h200x1.log")["result"]["log_summary"]["training"]
+    f["diffusers_mixed_eager_fused.mfu"] = f"{eager['mfu_pct']}"
+    f["mixed.sm_mhz"] = f"{recipe_record(RECIPE_ROWS[1][2])['result']['log_summary']['training']['sm_clock_mhz']:,}"
+    row = recipe_record(RECIPE_ROWS[4][2])
+    before = [r["result"]["training"]["mfu_pct"] for r in read_records(RESULTS / "recipes.json")
+              if sorted(r["command"].split()) == sorted(row["command"].split()) and RECIPE_ROWS[4][2] not in r["source"]["files"]
+              and r["result"].get("training", {}).get("mfu_pct")]
+    f["wan14b.before"] = " and ".join(f"{m:.1f}%" for m in sorted(before, reverse=True))
+    sp = read_records(RESULTS / "speed.json")[0]["result"]["settings"]
+    for name in ("compiled_none", "eager_full"):
+        mfu = [100 * r["mfu"] for r in sp[name]["per_shape"].values()]
+        f[f"speed.{name}"] = f"{min(mfu):.1f}–{max(mfu):.1f}%" if name == "compiled_none" else f"{min(mfu):.0f}–{max(mfu):.0f}%"
+    sa = load_result(RESULTS / "sampler.json")
+    plan = [r["plan_s"] for r in sa["rows"] if r["samples"] == 10_000_000]
+    f["sampler.plan_10m_s"] = f"{min(plan):.2f}–{max(plan):.2f}"
+    f["sampler.rss_mb"] = f"{sa['process_peak_rss_mb']:,.0f}"
+    fix = recipe_record("recipe_diffusers_mixed_compiled_profile_fix_h200x1.log")["result"]["log_summary"]
+    table = next(tb for tb in fix["tables"] if tb["title"].startswith("Per batch shape"))
+    col = {c: i for i, c in enumerate(table["columns"])}
+    worst = max(table["rows"], key=lambda row: row[col["measured / predicted"]])
+    f["diffusers_mixed.worst_shape"] = (f"{worst[col['B']]} × {worst[col['S']]:,}: measured {worst[col['mean step s']]:.2f} s, "
+                                        f"predicted {worst[col['predicted s']]:.2f} s")  # fmt: skip
+    f["train_sm_mhz"] = f"{min(c for c in clocks if c):,}–{max(c for c in clocks if c):,}"
+    recipes_ = read_records(RESULTS / "recipes.json")
+    modes = next(r["result"] for r in recipes_ if r["result"].get("name") == "mode_comparison_2026_12_02_fusion_off")
+    f["per_bucket_over_selective"] = f"{modes['per_bucket']['epoch_tokens_per_s'] / modes['selective']['epoch_tokens_per_s']:.2f}"
+    on = recipe_record("recipe_mixed_fusion_on_slices_h200x1.log")["result"]["log_summary"]["training"]
+    f["mix_order_on.mfu"] = f"{on['mfu_pct']}"
+    cl = load_result(RESULTS / "closed_loop.json", benchmark="bench_closed_loop.py")
+    first = cl["on"]["decisions"][0]
+    f["closed_loop.before"] = f"{min(first['ratio_before']):.2f}–{max(first['ratio_before']):.2f}"
+    f["closed_loop.after"] = f"{min(first['ratio_after']):.2f}–{max(first['ratio_after']):.2f}"
+    f["closed_loop.epoch_error"] = f"{abs(cl['predicted_over_measured_epoch'] - 1):.1%}"
+    f["closed_loop.on"] = f"{cl['on']['tokens_per_s']:,.0f}"
+    f["closed_loop.off"] = f"{cl['off']['tokens_per_s']:,.0f}"
+    q = load_result(RESULTS / "quickstart_cpu.json")
+    f["quickstart.pairs"] = ", ".join(f"{x:.2f}" for x in q["ratio_per_pair"])
+    f["quickstart.median"] = f"{q['ratio_median']:.2f}"
+    sim = load_result(RESULTS / "simulate.json")
+    gains = _simulated_gains(sim)
+    f["simulate.gain"] = f"{min(gains.values()):+.1%}" if len({f'{g:.1%}' for g in gains.values()}) == 1 else \
+        f"{min(gains.values()):+.1%} to {max(gains.values()):+.1%}"  # fmt: skip
+    f["simulate.ranks"] = f"{min(gains)}–{max(gains)}"
+    return f
+
+
+def _simulated_gains(sim: list[dict]) -> dict[int, float]:
+    """Cost-balanced steps over equal-token batches, tokens/s, per simulated world size above 1."""
+    by = {(r["name"], r["world_size"]): r["tokens_per_s"] for r in sim}
+    return {w: by[("dual-constraint + balance", w)] / by[("equal-token", w)] - 1
+            for (n, w) in by if n == "equal-token" and w > 1}  # fmt: skip
+
+
+def _gain(x: float) -> str:
+    return f"{0.0 if abs(x) < 5e-4 else x:+.1%}"
+
+
+def simulate() -> str:
+    sim = load_result(RESULTS / "simulate.json")
+    by = {(r["name"], r["world_size"]): r for r in sim}
+    out = ["| ranks | equal-token compute CV | dual constraint (derived) | + cost-balanced steps |", "|---|---|---|---|"]
+    for w in sorted({w for _, w in by}):
+        eq, dual, bal = by[("equal-token", w)], by[("dual-constraint", w)], by[("dual-constraint + balance", w)]
+        out.append(f"| {w} | {eq['compute_cv']:.1%} | {_gain(dual['tokens_per_s'] / eq['tokens_per_s'] - 1)} | "
+                   f"{_gain(bal['tokens_per_s'] / eq['tokens_per_s'] - 1)} (CV {bal['compute_cv']:.1%}) |")  # fmt: skip
+    return "\n".join(out)
+
+
+def speed() -> str:
+    """The per-shape settings of the first record of ``speed.json`` (eager, compiled, checkpointing modes)."""
+    d = read_records(RESULTS / "speed.json")[0]["result"]
+    out = ["| setting | B×S | steps | step ms | tokens/s | model TFLOP/s | MFU | peak GiB |", "|---|---|---|---|---|---|---|---|"]
+    for name, entry in d["settings"].items():
+        for shape, r in entry.get("per_shape", {}).items():
+            out.append(f"| {name} | {shape} | {r['steps']} | {1e3 * r['step_s']:,.0f} | {r['tokens_per_s']:,.0f} | "
+                       f"{r['tflops_per_gpu']:.0f} | {r['mfu']:.1%} | {r['peak_gib']:.1f} |")  # fmt: skip
+    return "\n".join(out)
+
+
+TABLES = {"recipes": recipes, "speed": speed, "simulate": simulate, "adaln": adaln, "sampler": sampler,
+          "breakdown": breakdown}  # fmt: skip
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or list(TABLES):
