@@ -148,6 +148,21 @@ def test_as_overrides_rewrites_python_arguments_of_a_node():
     )
 
 
+@pytest.mark.parametrize("benchmark", [True, False])
+def test_oversize_error_names_the_m_mem_setting_that_is_live(tmp_path, benchmark):
+    from lightning_adaptiveload.bucketing.sampler import oversize_error
+    from lightning_adaptiveload.cli.checks import as_cli_error, live_m_mem
+
+    cfg = _compose([] if benchmark else ["~callbacks.shape_benchmark"], tmp_path)
+    run = build(cfg)
+    live = live_m_mem(cfg, run.trainer.callbacks)
+    assert live == ("callbacks.shape_benchmark.m_mem" if benchmark else "bucketing.policy.m_mem")
+    err = oversize_error(np.array([16, 120]), 64, "error", grids=np.array([[1, 4, 4], [5, 4, 6]]))
+    message = str(as_cli_error(err, run.nodes, live))
+    assert f"Raise `{live}` (or enable" in message and "`bucketing.policy.oversize=skip` to leave them out" in message
+    assert "`m_mem`" not in message and "on the policy" not in message
+
+
 def test_fixed_batch_error_is_the_override_with_the_table_to_fill_in(tmp_path):
     from lightning_adaptiveload.bucketing.policy import FixedBatchPolicy
 

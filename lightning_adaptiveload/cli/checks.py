@@ -89,15 +89,32 @@ def node_keys(node: DictConfig) -> list[str]:
     return [str(k) for k in node.keys() if not str(k).startswith("_")]
 
 
-def as_cli_error(err: BaseException, nodes: dict[str, tuple[str, list[str]]]) -> ConfigError | None:
+def as_cli_error(
+    err: BaseException, nodes: dict[str, tuple[str, list[str]]], m_mem: str | None = None
+) -> ConfigError | None:
     """A setting error raised after building (in ``fit``), with ``` `Cls(arg=x)` ``` rewritten as the
-    override of the node that built ``Cls`` (``nodes``: class name → (path, keys)); ``None`` if none applies."""
+    override of the node that built ``Cls`` (``nodes``: class name → (path, keys)) and a bare ``` `m_mem` ```
+    as the setting ``m_mem`` names (:func:`live_m_mem`); ``None`` if none applies."""
     if not isinstance(err, user_error_types()):
         return None
     message = str(err)
     for class_name, (path, keys) in nodes.items():
         message = as_overrides(message, path, keys, class_name, bare=False)
+    if m_mem is not None:
+        message = message.replace("`m_mem`", f"`{m_mem}`")
+        # The DataModule's policy keeps the oversize rule, also when the shape benchmark refits the policy.
+        message = message.replace("`oversize='skip'` on the policy", "`bucketing.policy.oversize=skip`")
     return ConfigError(message) if message != str(err) else None
+
+
+def live_m_mem(cfg: DictConfig, callbacks: list[Any]) -> str:
+    """The ``m_mem`` setting that holds the run's memory budget: the shape benchmark's when it runs (it
+    refits the policy and replaces the policy's ``m_mem``), else the policy's."""
+    for key, node in (cfg.get("callbacks") or {}).items():
+        if isinstance(node, DictConfig) and str(node.get("_target_", "")).endswith(".ShapeBenchmarkCallback"):
+            if any(type(cb).__name__ == "ShapeBenchmarkCallback" and getattr(cb, "enabled", True) for cb in callbacks):
+                return f"callbacks.{key}.m_mem"
+    return "bucketing.policy.m_mem"
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:

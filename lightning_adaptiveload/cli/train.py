@@ -110,7 +110,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         try:
             run.trainer.fit(run.module, datamodule=run.datamodule, ckpt_path=cfg.get("ckpt_path"))
         except Exception as err:
-            cli_error = checks.as_cli_error(err, run.nodes)
+            cli_error = checks.as_cli_error(err, run.nodes, checks.live_m_mem(cfg, run.trainer.callbacks))
             if cli_error is None:
                 raise
             raise cli_error from err
