@@ -280,6 +280,17 @@ def test_final_metrics_come_from_the_balance_monitor_summary(tmp_path, caplog, m
     assert "balance, means over 2 steps: step_time_cv 12.34%, bubble 5.00%, tokens_per_s 1,000" in final
 
 
+@pytest.mark.slow  # ~10 s on a 2-core CPU: a 3-step fit
+def test_metrics_json_names_a_prediction_without_cost_model_as_b_s_p(tmp_path):
+    # The equal-token baseline has no cost model: its per-shape "prediction" is B·S^2, not seconds.
+    cfg = _compose(["bucketing=equal_token", "++trainer.max_steps=3", "logger=none", "print_plan=false",
+                    "++callbacks.balance_monitor.print_report=false"], tmp_path)
+    train(cfg)
+    rows = json.loads((tmp_path / "metrics.json").read_text())["per_shape"]
+    assert rows and all(r["predicted_B_S^2"] == r["B"] * r["S"] ** 2 for r in rows)
+    assert not any("predicted" in r or "measured_over_predicted" in r for r in rows)
+
+
 def test_cpu_manifest_defaults_and_the_gpu_recipes_set_more(tmp_path):
     cfg = _compose(["data=manifest", "data.dataset.path=x.jsonl"], tmp_path)
     assert cfg.data.datamodule.num_workers <= 2 and cfg.data.datamodule.pin_memory is False

@@ -138,6 +138,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if out_dir and run.trainer.is_global_zero:  # the same numbers for scripts (benchmarks/bench_quickstart.py)
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         per_shape = monitor.per_shape() if monitor is not None else []
+        if monitor is not None and (monitor.cost_model or getattr(run.datamodule, "cost_model", None)) is None:
+            # No cost model (e.g. the equal-token baseline): "predicted" is B·S^p, not seconds, and a ratio of
+            # seconds to it means nothing; named as what it is.
+            per_shape = [{**{k: v for k, v in row.items() if k not in ("predicted", "measured_over_predicted")},
+                          f"predicted_B_S^{monitor.p:g}": row["predicted"]} for row in per_shape]
         (Path(out_dir) / "metrics.json").write_text(json.dumps({**metrics, "per_shape": per_shape}, indent=1,
                                                                sort_keys=True, default=float))
     return metrics
