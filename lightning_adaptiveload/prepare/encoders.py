@@ -12,8 +12,11 @@ Both wrap the real implementations (``diffusers.AutoencoderKLWan``,
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,15 @@ def load_pretrained(loader: Callable[..., Any], path: str, subfolder: str, optio
         ValueError: neither loads; one line naming ``option`` and its value, whether it is a local
             directory, the loader's first error and the fix (an unreachable hub: pass a local directory).
     """
+    offline = None if Path(path).expanduser().is_dir() else hub_unreachable()
+    if offline is not None:  # the local hub cache only: an unreachable hub would cost minutes of retries
+        if not _in_hub_cache(path):
+            raise ValueError(
+                f"{option} {path}: not a local directory nor in the hub cache, and the model hub is not reachable "
+                f"({offline}). Pass a local directory with the downloaded model (e.g. `hf download {path} --local-dir "
+                "DIR` where the hub is reachable), or set HF_ENDPOINT to a reachable mirror."
+            )
+        kwargs = {**kwargs, "local_files_only": True}
     try:
         return loader(path, **kwargs)
     except (OSError, ValueError) as first:
@@ -41,10 +53,45 @@ def load_pretrained(loader: Callable[..., Any], path: str, subfolder: str, optio
                 f"{option} {path}: cannot load it from this directory ({cause}). Pass the directory of a Diffusers "
                 f"Wan 2.1 repo (with a `{subfolder}/` folder) or of the {subfolder} itself."
             ) from None
+        if offline is not None:
+            raise ValueError(
+                f"{option} {path}: the hub cache has it but it does not load from there ({cause}), and the model hub "
+                f"is not reachable ({offline}). Pass a local directory with the downloaded model."
+            ) from None
         raise ValueError(
             f"{option} {path}: not a local directory, and the model hub did not provide it ({cause}). Pass a local "
             "directory with the downloaded model (download it where the hub is reachable), or check the name."
         ) from None
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    """Whether the local hub cache holds a snapshot of ``repo_id`` (no network)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        snapshot_download(repo_id, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not cached, or not a repo id at all (e.g. a mistyped local path)
+        return False
+    return True
+
+
+@functools.cache
+def hub_unreachable(timeout_s: float = 3.0) -> str | None:
+    """Why the model hub cannot be reached (``HF_HUB_OFFLINE`` set, or no answer from ``HF_ENDPOINT`` within
+    ``timeout_s``), or ``None`` when it answers. Checked once per process: without it an unreachable hub costs
+    each model part five retries with backoff (~30 s) before its error."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    try:
+        urllib.request.urlopen(urllib.request.Request(constants.ENDPOINT, method="HEAD"), timeout=timeout_s)
+    except urllib.error.HTTPError:
+        return None  # it answered
+    except (OSError, ValueError) as err:  # URLError, timeouts, refused connections, a malformed endpoint
+        reason = getattr(err, "reason", err)
+        return f"{constants.ENDPOINT}: {reason}"
+    return None
 
 
 def caption_hash(caption: str) -> str:
