@@ -78,6 +78,7 @@ def test_every_choice_composes_and_instantiates(group, choice, tmp_path):
             # What train() fills in from the model for keys left null.
             tiny = WAN_CONFIGS["tiny"]
             from_model = {k: getattr(tiny, k) for k in ("text_len", "text_dim", "patch_size", "vae_stride")}
+            from_model |= {"latent_channels": tiny.in_dim, "extra_inputs": None}
             instantiate(node.dataset, **{k: v for k, v in from_model.items() if node.dataset.get(k, 0) is None})
     elif group == "bucketing":
         policy = instantiate(node.policy)

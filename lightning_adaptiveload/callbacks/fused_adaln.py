@@ -30,7 +30,8 @@ from typing_extensions import override
 from lightning_adaptiveload.modules.adaln import AdaLayerNorm, FusedAdaLayerNorm
 from lightning_adaptiveload.ops import adaln_build_error, load_adaln_extension
 
-_REGISTRY: dict[type[nn.Module], Callable[[nn.Module], nn.Module]] = {
+# A converter returns the fused twin, or None where this instance's math is not LayerNorm + modulate.
+_REGISTRY: dict[type[nn.Module], Callable[[nn.Module], nn.Module | None]] = {
     AdaLayerNorm: FusedAdaLayerNorm.from_module,
 }
 
@@ -46,15 +47,39 @@ def _patch_diffusers_wan(model: nn.Module) -> int:
 
 
 _PATCHERS: dict[str, Callable[[nn.Module], int]] = {}
-if importlib.util.find_spec("diffusers") is not None:  # finds the package without importing it
+_DIFFUSERS = importlib.util.find_spec("diffusers") is not None  # finds the package without importing it
+if _DIFFUSERS:
     _PATCHERS["diffusers_wan"] = _patch_diffusers_wan
 
 
-def register_adaln_module(cls: type[nn.Module], converter: Callable[[nn.Module], nn.Module]) -> None:
+# diffusers' AdaLN-Zero norm types unregistered by the user (by class name: their module may not be imported yet).
+_UNREGISTERED_DIFFUSERS: set[str] = set()
+
+
+def _diffusers_norms() -> dict[type[nn.Module], Callable[[nn.Module], nn.Module | None]]:
+    """The converters of diffusers' AdaLN-Zero norms once diffusers' normalization module is imported (a model
+    can only hold them then; a model without diffusers never imports it), less those unregistered."""
+    if not _DIFFUSERS or "diffusers.models.normalization" not in sys.modules:
+        return {}
+    from lightning_adaptiveload.integrations import diffusers_norms
+
+    return {cls: diffusers_norms.fused_twin for cls in diffusers_norms._TWINS
+            if cls.__name__ not in _UNREGISTERED_DIFFUSERS}
+
+
+def _registry() -> dict[type[nn.Module], Callable[[nn.Module], nn.Module | None]]:
+    return {**_diffusers_norms(), **_REGISTRY}
+
+
+def register_adaln_module(cls: type[nn.Module], converter: Callable[[nn.Module], nn.Module | None]) -> None:
     """Teach :func:`apply_fused_adaln` to swap modules of exactly type ``cls`` with ``converter(module)``.
 
     The converter must return a module with the same parameters (shared, not copied) that computes
-    the same function, e.g. one whose ``forward`` calls :func:`lightning_adaptiveload.ops.adaln`.
+    the same function, e.g. one whose ``forward`` calls :func:`lightning_adaptiveload.ops.adaln`, or
+    ``None`` to leave an instance it cannot fuse alone (it is then not counted). diffusers'
+    ``AdaLayerNormZero``, ``AdaLayerNormZeroSingle`` and ``AdaLayerNormContinuous`` are registered while
+    diffusers is imported (:mod:`lightning_adaptiveload.integrations.diffusers_norms`); registering one of
+    them replaces its converter, unregistering it stops its fusion.
 
     Raises:
         TypeError: if ``cls`` is not an ``nn.Module`` subclass or ``converter`` is not callable.
@@ -68,17 +93,21 @@ def register_adaln_module(cls: type[nn.Module], converter: Callable[[nn.Module],
     _REGISTRY[cls] = converter
 
 
-def unregister_adaln_module(cls: type[nn.Module]) -> Callable[[nn.Module], nn.Module]:
+def unregister_adaln_module(cls: type[nn.Module]) -> Callable[[nn.Module], nn.Module | None]:
     """Stop swapping modules of type ``cls``; returns the converter that was registered.
 
     Raises:
         ValueError: if ``cls`` is not registered.
     """
-    if cls not in _REGISTRY:
+    if cls in _REGISTRY:
+        return _REGISTRY.pop(cls)
+    converter = _diffusers_norms().get(cls)
+    if converter is None:
         raise ValueError(
-            f"`unregister_adaln_module({cls!r})` is not valid. Registered: {[c.__name__ for c in _REGISTRY]}."
+            f"`unregister_adaln_module({cls!r})` is not valid. Registered: {[c.__name__ for c in _registry()]}."
         )
-    return _REGISTRY.pop(cls)
+    _UNREGISTERED_DIFFUSERS.add(cls.__name__)
+    return converter
 
 
 def register_adaln_patcher(name: str, patcher: Callable[[nn.Module], int]) -> None:
@@ -118,27 +147,33 @@ def apply_fused_adaln(model: nn.Module) -> int:
     """Fuse, in place, every AdaLN site of ``model`` that a registered swap or patcher covers.
 
     First replaces every submodule whose exact type is registered by its fused twin (exact types
-    only: a subclass may change ``forward``, and the fused twins, subclasses of :class:`AdaLayerNorm`,
+    only: a subclass may change ``forward``, and the fused twins, subclasses of the types they fuse,
     are never swapped twice), then runs every registered patcher. Returns the number of sites newly
     fused: one per swapped module plus what the patchers report.
     """
+    registry = _registry()
     targets = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) in _REGISTRY
+        if type(child) in registry
     ]
+    swapped = 0
     for parent, name, child in targets:
-        setattr(parent, name, _REGISTRY[type(child)](child))
-    return len(targets) + sum(int(patcher(model)) for patcher in list(_PATCHERS.values()))
+        fused = registry[type(child)](child)
+        if fused is not None:
+            setattr(parent, name, fused)
+            swapped += 1
+    return swapped + sum(int(patcher(model)) for patcher in list(_PATCHERS.values()))
 
 
 class FusedAdaLNCallback(Callback):
     """Run every AdaLN site of the model through the fused CUDA kernel.
 
     Calls :func:`apply_fused_adaln` before the strategy wraps the model: registered module swaps (by
-    default :class:`AdaLayerNorm` → :class:`FusedAdaLayerNorm`) and registered patchers (by default
-    diffusers' ``WanTransformer3DModel``, when diffusers is installed). Parameters and ``state_dict``
+    default :class:`AdaLayerNorm` → :class:`FusedAdaLayerNorm` and, when diffusers is installed, its
+    ``AdaLayerNormZero`` / ``AdaLayerNormZeroSingle`` / ``AdaLayerNormContinuous`` → their fused twins)
+    and registered patchers (by default diffusers' ``WanTransformer3DModel``). Parameters and ``state_dict``
     keys are untouched, so checkpoints load either way. Without CUDA, or when the kernel does not
     build on some rank, it does nothing and warns once (the model keeps its reference path on every
     rank). It also warns when it finds nothing to fuse on CUDA: the model's AdaLN sites are then
@@ -192,7 +227,7 @@ class FusedAdaLNCallback(Callback):
             return
         rank_zero_warn(
             f"FusedAdaLNCallback: found no AdaLN site to fuse in {type(pl_module).__name__}; its norm + "
-            f"modulate sites run unfused. Registered module types: {[c.__name__ for c in _REGISTRY]}, "
+            f"modulate sites run unfused. Registered module types: {[c.__name__ for c in _registry()]}, "
             f"patchers: {sorted(_PATCHERS)}. Register the model's with `register_adaln_module(cls, converter)` "
             "or `register_adaln_patcher(name, patcher)`, or drop the callback."
         )

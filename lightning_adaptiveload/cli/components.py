@@ -16,7 +16,9 @@ if TYPE_CHECKING:
 
 def instantiate_dataset(cfg: DictConfig, module: pl.LightningModule) -> Any:
     """Build the dataset; token geometry and text shape left ``null`` in the data config (``patch_size``,
-    ``vae_stride``, ``text_len``, ``text_dim``) are taken from the model, so they are set in one place."""
+    ``vae_stride``, ``text_len``, ``text_dim``) are taken from the model, so they are set in one place, and so
+    are the latents' channels (``latent_channels``: the model's ``in_dim``) and the extra per-sample inputs a
+    model reads (``extra_inputs``, e.g. a pooled text embedding; none when the model's config names none)."""
     overrides: dict[str, Any] = {}
     model_config = getattr(module, "config", None)
     for key in ("text_len", "text_dim", "patch_size", "vae_stride"):
@@ -24,6 +26,12 @@ def instantiate_dataset(cfg: DictConfig, module: pl.LightningModule) -> Any:
             if model_config is None:
                 raise ConfigError(f"data.dataset.{key} is null but the model has no `config.{key}`; set it.")
             overrides[key] = getattr(model_config, key)
+    if "extra_inputs" in cfg and cfg["extra_inputs"] is None:
+        overrides["extra_inputs"] = getattr(model_config, "extra_inputs", None)
+    if "latent_channels" in cfg and cfg["latent_channels"] is None:
+        if getattr(model_config, "in_dim", None) is None:
+            raise ConfigError("data.dataset.latent_channels is null but the model has no `config.in_dim`; set it.")
+        overrides["latent_channels"] = model_config.in_dim
     return instantiate_node(cfg, "data.dataset", **overrides)
 
 

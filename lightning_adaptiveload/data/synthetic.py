@@ -70,6 +70,23 @@ def _validate_mixture(
     return np.asarray(pixels, dtype=np.int64), np.asarray(grids, dtype=np.int64), w / w.sum()
 
 
+def _check_extra_inputs(cls: str, extra: Mapping[str, Sequence[int]] | None) -> dict[str, tuple[int, ...]]:
+    if extra is None:
+        return {}
+    reserved = {"latents", "context", "index"}
+    try:
+        out = {str(k): tuple(int(v) for v in shape) for k, shape in extra.items()
+               if k not in reserved and all(is_int(v) and v >= 1 for v in shape)}
+    except (AttributeError, TypeError, ValueError):
+        out = {}
+    if not isinstance(extra, Mapping) or len(out) != len(extra):
+        raise ValueError(
+            f"`{cls}(extra_inputs={extra!r})` is not valid. Expected a mapping from key names (not latents, "
+            "context, index) to per-sample shapes of positive integers, e.g. {'pooled': [768]}."
+        )
+    return out
+
+
 class SyntheticMixedDataset(Dataset):
     """Random latents and text context with the shape mix of a real image + video corpus.
 
@@ -90,6 +107,9 @@ class SyntheticMixedDataset(Dataset):
         vae_stride: VAE compression (t, h, w).
         patch_size: DiT patch (t, h, w).
         seed: seeds both the shape draw and the per-item tensors.
+        extra_inputs: further per-sample tensors a model reads besides latents and context, as
+            ``{key: shape}`` (e.g. HunyuanVideo's pooled text embedding ``{"pooled": [768]}``); drawn
+            after the context from the same stream, so latents and context do not change with them.
 
     Raises:
         ValueError: on a bad argument or mixture entry (the message names the entry).
@@ -111,8 +131,10 @@ class SyntheticMixedDataset(Dataset):
         vae_stride: Sequence[int] = VAE_STRIDE,
         patch_size: Sequence[int] = PATCH_SIZE,
         seed: int = 0,
+        extra_inputs: Mapping[str, Sequence[int]] | None = None,
     ) -> None:
         cls = type(self).__name__
+        self.extra_inputs = _check_extra_inputs(cls, extra_inputs)
         self.num_samples = check_positive_int(cls, "num_samples", num_samples)
         self.latent_channels = check_positive_int(cls, "latent_channels", latent_channels)
         self.text_len = check_positive_int(cls, "text_len", text_len)
@@ -164,7 +186,10 @@ class SyntheticMixedDataset(Dataset):
         gen = torch.Generator().manual_seed(int(state[0]) << 31 | int(state[1]) >> 1)
         latents = torch.randn((self.latent_channels, *self.latent_grid(index)), generator=gen)
         context = torch.randn((self.text_len, self.text_dim), generator=gen)
-        return {"latents": latents, "context": context, "index": index}
+        sample = {"latents": latents, "context": context, "index": index}
+        for key, shape in self.extra_inputs.items():
+            sample[key] = torch.randn(shape, generator=gen)
+        return sample
 
     def describe(self) -> list[dict[str, Any]]:
         """One row per mixture entry: pixel shape, token grid, S, target weight and drawn count.

@@ -39,11 +39,16 @@ every gradient against the unpatched model.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
+import importlib.util
 import inspect
+import json
 import types
 from collections.abc import Mapping, Sequence
+from fractions import Fraction
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,12 +57,20 @@ from diffusers.models.modeling_utils import ModelMixin
 from diffusers.models.normalization import FP32LayerNorm
 from diffusers.models.transformers.transformer_wan import WanTransformer3DModel, WanTransformerBlock
 from diffusers.utils import apply_lora_scale
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_adaptiveload._checks import check_positive_int
-from lightning_adaptiveload.geometry import token_grid
+from lightning_adaptiveload._checks import check_positive_int, check_triple
+from lightning_adaptiveload.data.bad_samples import SAMPLE_WEIGHT_KEY
+from lightning_adaptiveload.geometry import latent_of_grid, token_grid, tokens_of
+from lightning_adaptiveload.integrations.diffusers_families import (
+    CONTEXT_MASK,
+    FAMILIES,
+    VideoFamily,
+    family_of,
+)
 from lightning_adaptiveload.models.compiling import (
     check_compile_options,
     compile_blocks,
@@ -65,11 +78,24 @@ from lightning_adaptiveload.models.compiling import (
     whole_block_graphs,
 )
 from lightning_adaptiveload.models.optim import check_optimizer_impl
-from lightning_adaptiveload.models.rectified_flow import RectifiedFlowModule, check_training_arguments
+from lightning_adaptiveload.models.rectified_flow import (
+    OUTSIDE_STREAM,
+    RectifiedFlowModule,
+    check_training_arguments,
+    rectified_flow_loss,
+)
 from lightning_adaptiveload.models.wan import WanConfig, checkpointing_mode, run_checkpointed
 from lightning_adaptiveload.ops import adaln
 
-__all__ = ["DiffusersWanModule", "patch_wan_transformer", "set_wan_checkpointing", "unpatch_wan_transformer"]
+__all__ = [
+    "DiffusersVideoConfig",
+    "DiffusersVideoModule",
+    "DiffusersWanModule",
+    "patch_wan_transformer",
+    "set_block_checkpointing",
+    "set_wan_checkpointing",
+    "unpatch_wan_transformer",
+]
 
 # sha256[:16] of `inspect.getsource` of the forwards the replacements restate (diffusers 0.42.1).
 _VERIFIED_SOURCES = {
@@ -367,44 +393,137 @@ def _mark_diffusers_block_inputs(block: nn.Module, args: tuple[Any, ...]) -> tup
     return (hidden, context, temb, rotary, *args[4:])
 
 
-class DiffusersWanModule(RectifiedFlowModule):
-    """Trains diffusers' ``WanTransformer3DModel`` with Wan's rectified-flow objective.
+def _generic_block_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    # A non-Wan family's block: its own forward under the block's checkpointing mode (an attribute, so a
+    # compiled block guards on it: one graph per mode). Keyword arguments ride in the checkpointed function.
+    body = self._adaptiveload_body
+    if kwargs:
+        body = functools.partial(body, **kwargs)
+    return run_checkpointed(body, self.checkpointing, *args)
+
+
+def set_block_checkpointing(model: nn.Module, mode: str, block_classes: Sequence[type]) -> int:
+    """:func:`set_wan_checkpointing` for the blocks of any diffusers video family (``block_classes``, exact
+    types): each block recomputes as ``mode`` says inside its own forward; diffusers' model-level
+    ``gradient_checkpointing`` is turned off. Returns the number of blocks set.
+
+    Raises:
+        ValueError: ``mode`` is not a mode, or a block's forward is replaced by someone else (a diffusers
+            hook): set the mode before enabling such hooks.
+    """
+    if WanTransformerBlock in block_classes:
+        return set_wan_checkpointing(model, mode)
+    mode = checkpointing_mode(mode)
+    classes = tuple(block_classes)
+    count = 0
+    for module in model.modules():
+        if isinstance(module, ModelMixin) and getattr(module, "gradient_checkpointing", False):
+            module.disable_gradient_checkpointing()
+        if type(module) not in classes:
+            continue
+        installed = getattr(module.__dict__.get("forward"), "__func__", None) is _generic_block_forward
+        if "forward" in module.__dict__ and not installed:
+            raise ValueError(
+                f"set_block_checkpointing(mode={mode!r}): a {type(module).__name__}'s forward is already replaced (a "
+                "diffusers hook: caching, group offloading, context parallelism). Set the mode before enabling those."
+            )
+        if not installed:
+            module._adaptiveload_body = types.MethodType(type(module).forward, module)
+            module.forward = types.MethodType(_generic_block_forward, module)
+        module.checkpointing = mode
+        count += 1
+    return count
+
+
+def _mark_block_inputs(block: nn.Module, args: tuple[Any, ...]) -> None:
+    """Pre-hook of a compiled non-Wan block: the batch and sequence dims of ``hidden_states`` [B, S, D] (its
+    first positional argument, when it is called with one) symbolic from the first graph on."""
+    if args and isinstance(args[0], torch.Tensor) and args[0].ndim == 3:
+        mark_dynamic(args[0], 0, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class DiffusersVideoConfig:
+    """What the library reads of a diffusers video transformer: the data geometry (``adaptiveload-train`` fills
+    the data config's null ``text_len``, ``text_dim``, ``patch_size``, ``vae_stride``, ``extra_inputs`` from it),
+    the sizes sequence parallelism plans with, and the whole ``transformer`` config (the calibration key's
+    architecture fingerprint)."""
+
+    family: str
+    transformer: dict[str, Any]
+    dim: int
+    num_heads: int
+    num_layers: int
+    in_dim: int
+    text_dim: int
+    text_len: int
+    patch_size: tuple[int, int, int]
+    vae_stride: tuple[int, int, int]
+    extra_inputs: dict[str, list[int]]
+    #: Text tokens that share self-attention with the video tokens (joint attention), else 0.
+    joint_text_len: int
+
+
+def _quadratic_through(points: Sequence[tuple[int, int]]) -> tuple[Fraction, Fraction, Fraction]:
+    """Exact coefficients (a, b, c) of ``a + b·s + c·s²`` through three (s, y) points."""
+    (s0, y0), (s1, y1), (s2, y2) = ((Fraction(s), Fraction(y)) for s, y in points)
+    d01, d12 = (y1 - y0) / (s1 - s0), (y2 - y1) / (s2 - s1)
+    c = (d12 - d01) / (s2 - s0)
+    b = d01 - c * (s0 + s1)
+    return y0 - b * s0 - c * s0 * s0, b, c
+
+
+class DiffusersVideoModule(RectifiedFlowModule):
+    """Trains a diffusers video transformer with Wan's rectified-flow objective, any family of
+    :data:`~lightning_adaptiveload.integrations.diffusers_families.FAMILIES`.
+
+    Families (``family=``, detected from the transformer's class or a config's ``_class_name``):
+    ``"wan"`` (``WanTransformer3DModel``: Wan 2.1, Wan 2.2 incl. the 5B TI2V config), ``"hunyuan_video"``
+    (``HunyuanVideoTransformer3DModel``), ``"cogvideox"`` (``CogVideoXTransformer3DModel``) and
+    ``"ltx_video"`` (``LTXVideoTransformer3DModel``). A family's adapter builds the model's inputs from a
+    batch (:mod:`~lightning_adaptiveload.integrations.diffusers_families`): the latents' layout (CogVideoX's
+    ``[B, F, C, H, W]``, LTX-Video's packed tokens), RoPE coordinates, guidance and ``ofs`` embeddings, an
+    all-ones text mask when the batch has no ``context_mask``; it reads the patch from the model's config
+    and names the blocks that checkpoint and compile.
 
     For clean latents ``x0`` and Gaussian ``noise``: ``u ~ U(0, 1)``, ``t = shift·u / (1 + (shift-1)·u)``,
     ``x_t = (1 - t)·x0 + t·noise``; the loss is the fp32 MSE between the prediction for
     ``(x_t, t · num_train_timesteps, context)`` and the velocity ``noise - x0``. Batches are
     ``{"latents": [B, C, F, H, W], "context": [B, L, text_dim]}`` as the project's collate builds
-    them (other key names: ``batch_keys``); every batch may have its own (F, H, W), all contexts have
+    them, plus the family's extra keys: ``"context_mask"`` ``[B, L]`` (HunyuanVideo, LTX-Video; optional:
+    all ones without it) and ``"pooled"`` ``[B, pooled_projection_dim]`` (HunyuanVideo's CLIP embedding,
+    required); other key names: ``batch_keys``. Every batch may have its own (F, H, W); all contexts have
     ``text_len`` tokens.
 
     The shared machinery (draw-seeded timesteps and noise, so a resumed run has the uninterrupted run's
-    losses; the training step and its logs; AdamW and clipping; the FLOP count; the checks of the data
-    made before profiling) is :class:`~lightning_adaptiveload.models.rectified_flow.RectifiedFlowModule`'s.
+    losses; the training step and its logs; AdamW and clipping; the checks of the data made before
+    profiling) is :class:`~lightning_adaptiveload.models.rectified_flow.RectifiedFlowModule`'s.
     Provides the :class:`~lightning_adaptiveload.models.protocol.AdaptiveLoadModule` members
-    (``compute_loss``, ``synthetic_batch``, ``batch_shape``, ``patch_size``, ``flops_per_sample``,
-    ``checkpointing``/``checkpointing_modes``/``set_checkpointing``, ``calibration_key``).
+    (``compute_loss``, ``synthetic_batch``, ``batch_shape``, ``patch_size``, ``attention_tokens``,
+    ``flops_per_sample``, ``checkpointing``/``checkpointing_modes``/``set_checkpointing``, ``calibration_key``).
 
     Args:
-        transformer: a ``WanTransformer3DModel`` (e.g. from ``from_pretrained``), or the keyword
-            arguments of its constructor; then the model is built in :meth:`configure_model` (inside the
-            strategy's init context) with fresh weights.
+        transformer: the diffusers transformer (e.g. from ``from_pretrained``), or the keyword arguments of its
+            constructor; then the model is built in :meth:`configure_model` (inside the strategy's init context)
+            with fresh weights, or loaded from ``pretrained``. ``None`` with ``pretrained``: the directory's config.
         text_len: text tokens L per sample: the context length of the training data, which
-            :meth:`synthetic_batch` (profiling) and :meth:`flops_per_sample` use (Wan: 512). Checked against
-            dataset samples before profiling and against every training batch.
+            :meth:`synthetic_batch` (profiling), :meth:`attention_tokens` and :meth:`flops_per_sample` use (Wan:
+            512, HunyuanVideo: 256, CogVideoX: 226, LTX-Video: 128). Checked against dataset samples before
+            profiling and against every training batch.
         lr, weight_decay, betas, eps: AdamW settings.
         timestep_shift: Wan's schedule shift (5.0 for 480p/720p video; 1.0: uniform t).
-        num_train_timesteps: scale of the timestep the model sees (Wan: 1000).
+        num_train_timesteps: scale of the timestep the model sees (1000).
         gradient_checkpointing: deprecated alias: ``True`` is ``activation_checkpointing="full"``.
         optimizer_impl: AdamW's implementation, ``"auto"`` (fused on CUDA with replicated parameters),
             ``"fused"`` or ``"foreach"`` (:mod:`lightning_adaptiveload.models.optim`).
-        compile: compile every ``WanTransformerBlock`` with ``torch.compile`` in :meth:`configure_model`
+        compile: compile every transformer block with ``torch.compile`` in :meth:`configure_model`
             (regional compilation, like diffusers' ``compile_repeated_blocks``, plus what a bucketed
             corpus needs: batch and sequence sizes symbolic from the first graph, the recompile limit
             raised with hitting it an error, one graph per block under DDP; see
             :func:`lightning_adaptiveload.models.compiling.compile_blocks`), one graph per checkpointing mode.
         compile_options: inductor options for the compiled blocks, checked against
             ``torch._inductor.config``; needs ``compile=True``.
-        activation_checkpointing: what backward recomputes in every block (:func:`set_wan_checkpointing`):
+        activation_checkpointing: what backward recomputes in every block (:func:`set_block_checkpointing`):
             ``"none"`` (or ``False``), ``"selective"`` (keep the attention outputs), ``"full"`` (or ``True``),
             or ``"auto"``: chosen per bucket by
             :class:`~lightning_adaptiveload.callbacks.shape_benchmark.ShapeBenchmarkCallback` from measured
@@ -413,18 +532,31 @@ class DiffusersWanModule(RectifiedFlowModule):
         seed: seed of the timestep and noise draws; ``None``: the seed of ``lightning.seed_everything``, or 0.
         warmup_steps: linear learning-rate warmup over this many optimizer steps (0: none).
         batch_keys: the batch's key names where they differ from ours, e.g.
-            ``{"latents": "hidden_states", "context": "encoder_hidden_states"}``.
+            ``{"latents": "hidden_states", "context": "encoder_hidden_states", "pooled": "pooled_prompt_embeds"}``.
+        family: the adapter, one of ``"wan"``, ``"hunyuan_video"``, ``"cogvideox"``, ``"ltx_video"``; ``None``:
+            detected from the transformer.
+        pretrained: a local directory written by ``save_pretrained`` (or a model directory with a
+            ``transformer/`` subfolder): :meth:`configure_model` loads it with ``from_pretrained``.
+        vae_stride: the (t, h, w) stride of the VAE that encoded the data; ``None``: the family's
+            (Wan 2.1, HunyuanVideo, CogVideoX: (4, 8, 8); Wan 2.2 TI2V's 48-channel VAE: (4, 16, 16);
+            LTX-Video: (8, 32, 32)). Data configs take it from here; LTX-Video's RoPE scales with it.
+        guidance_scale: HunyuanVideo's embedded guidance (guidance-distilled configs, ``guidance_embeds``).
+        frame_rate: LTX-Video's frames per second of the training clips (its RoPE time axis is in seconds).
 
     Example::
 
-        module = DiffusersWanModule(WanTransformer3DModel.from_pretrained(repo, subfolder="transformer"))
+        module = DiffusersVideoModule(HunyuanVideoTransformer3DModel.from_pretrained(path, subfolder="transformer"),
+                                      text_len=256)
         trainer = Trainer(precision="bf16-mixed", callbacks=[FusedAdaLNCallback()])
         trainer.fit(module, datamodule=dm)
     """
 
+    #: The family when neither ``family`` nor the transformer names one.
+    _default_family: str | None = None
+
     def __init__(
         self,
-        transformer: WanTransformer3DModel | Mapping[str, Any],
+        transformer: nn.Module | Mapping[str, Any] | None = None,
         text_len: int = 512,
         lr: float = 1e-4,
         weight_decay: float = 0.0,
@@ -440,81 +572,111 @@ class DiffusersWanModule(RectifiedFlowModule):
         seed: int | None = None,
         warmup_steps: int = 0,
         batch_keys: Mapping[str, str] | None = None,
+        family: str | None = None,
+        pretrained: str | None = None,
+        vae_stride: Sequence[int] | None = None,
+        guidance_scale: float = 6.0,
+        frame_rate: float = 25.0,
     ) -> None:
         super().__init__()
         cls = type(self).__name__
         check_optimizer_impl(optimizer_impl, cls)
         compile_options = check_compile_options(compile_options, compile, cls)
-        if isinstance(transformer, WanTransformer3DModel):
-            config = {k: v for k, v in transformer.config.items() if not k.startswith("_")}
-        elif isinstance(transformer, Mapping):
-            config = dict(transformer)
-        else:
-            raise TypeError(
-                f"`{cls}(transformer={type(transformer).__name__})` is not valid. Expected a "
-                "WanTransformer3DModel or the keyword arguments of its constructor."
-            )
+        fam, config, model, subfolder = _resolve_transformer(cls, transformer, family, pretrained,
+                                                             self._default_family)
+        fam.check_config(config, cls)
         check_positive_int(cls, "text_len", text_len)
+        fam.check_text_len(config, int(text_len), cls)
+        if vae_stride is not None:
+            vae_stride = list(check_triple(cls, "vae_stride", vae_stride))
+        for name, value in (("guidance_scale", guidance_scale), ("frame_rate", frame_rate)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"`{cls}({name}={value!r})` is not valid. Expected a positive number.")
         activation_checkpointing = _resolve_checkpointing(
             cls, activation_checkpointing, gradient_checkpointing,
-            isinstance(transformer, WanTransformer3DModel) and transformer.gradient_checkpointing)
+            model is not None and bool(getattr(model, "gradient_checkpointing", False)))
         check_training_arguments(
             cls, activation_checkpointing=activation_checkpointing, lr=lr, weight_decay=weight_decay, betas=betas,
             eps=eps, warmup_steps=warmup_steps, timestep_shift=timestep_shift,
             num_train_timesteps=num_train_timesteps, seed=seed,
         )
-        batch_keys = _check_batch_keys(cls, batch_keys)
-        model = transformer if isinstance(transformer, WanTransformer3DModel) else None
+        batch_keys = _check_batch_keys(cls, batch_keys, fam)
         # hparams keep the config, not the module, so `load_from_checkpoint` rebuilds the model; the alias
         # is resolved into activation_checkpointing.
-        transformer, gradient_checkpointing = config, None
+        transformer, gradient_checkpointing, family = config, None, fam.name
         betas = tuple(float(b) for b in betas)
         self.save_hyperparameters()
+        self.family = fam
         self.transformer_config = config
-        self.patch_size: tuple[int, int, int] = tuple(int(p) for p in self._cfg("patch_size"))  # type: ignore[assignment]
+        self._pretrained = (pretrained, subfolder)
+        self.patch_size: tuple[int, int, int] = fam.patch_size(config)
         self.batch_keys.update(batch_keys or {})
-        self.transformer: WanTransformer3DModel | None = None
+        self.transformer: nn.Module | None = None
         self._blocks_compiled = False
+        self._flops_fit: tuple[Fraction, Fraction, Fraction] | None = None
         if model is not None:
             self._prepare_blocks(model)
             self.transformer = model
 
     def _cfg(self, key: str) -> Any:
         # Constructor defaults for keys the mapping leaves out.
-        if key in self.transformer_config:
-            return self.transformer_config[key]
-        return inspect.signature(WanTransformer3DModel.__init__).parameters[key].default
+        return self.family.cfg(self.transformer_config, key)
 
     @property
-    def wan_config(self) -> WanConfig:
-        """The transformer's architecture as a :class:`WanConfig` (with ``text_len``), built on first use."""
+    def vae_stride(self) -> tuple[int, int, int]:
+        """The VAE stride of the data (the ``vae_stride`` argument or the family's)."""
+        stride = self.hparams.get("vae_stride")
+        if stride is not None:
+            return tuple(int(s) for s in stride)  # type: ignore[return-value]
+        if self.family.name == "wan" and self.family.latent_channels(self.transformer_config) == 48:
+            return (4, 16, 16)  # Wan 2.2's 48-channel VAE (the TI2V 5B config)
+        return self.family.vae_stride
+
+    @property
+    def wan_config(self) -> WanConfig | DiffusersVideoConfig:
+        """The model's geometry the base class reads (``text_len``, ``text_dim``, ``in_dim``): a
+        :class:`WanConfig` for the Wan family, a :class:`DiffusersVideoConfig` for the others; built on first use."""
         if getattr(self, "_wan_config", None) is None:
-            heads, head_dim = self._cfg("num_attention_heads"), self._cfg("attention_head_dim")
-            self._wan_config = WanConfig(
-                dim=heads * head_dim, ffn_dim=self._cfg("ffn_dim"), num_heads=heads,
-                num_layers=self._cfg("num_layers"), in_dim=self._cfg("in_channels"),
-                out_dim=self._cfg("out_channels") or self._cfg("in_channels"), text_dim=self._cfg("text_dim"),
-                text_len=int(self.hparams.text_len), freq_dim=self._cfg("freq_dim"),
-                patch_size=tuple(self._cfg("patch_size")),
-            )
+            fam, cfg, text_len = self.family, self.transformer_config, int(self.hparams.text_len)
+            if fam.name == "wan":
+                heads, head_dim = self._cfg("num_attention_heads"), self._cfg("attention_head_dim")
+                self._wan_config = WanConfig(
+                    dim=heads * head_dim, ffn_dim=self._cfg("ffn_dim"), num_heads=heads,
+                    num_layers=self._cfg("num_layers"), in_dim=self._cfg("in_channels"),
+                    out_dim=self._cfg("out_channels") or self._cfg("in_channels"), text_dim=self._cfg("text_dim"),
+                    text_len=text_len, freq_dim=self._cfg("freq_dim"),
+                    patch_size=tuple(self._cfg("patch_size")), vae_stride=self.vae_stride,
+                )
+            else:
+                self._wan_config = DiffusersVideoConfig(
+                    family=fam.name, transformer=_plain_config(cfg), **fam.geometry(cfg),
+                    in_dim=fam.latent_channels(cfg), text_dim=fam.text_dim(cfg), text_len=text_len,
+                    patch_size=self.patch_size, vae_stride=self.vae_stride, extra_inputs=fam.extra_inputs(cfg),
+                    joint_text_len=text_len if fam.joint_text else 0,
+                )
         return self._wan_config
 
     @property
-    def config(self) -> WanConfig:
+    def config(self) -> WanConfig | DiffusersVideoConfig:
         """:attr:`wan_config` under the name ``adaptiveload-train`` reads the data geometry from (patch,
-        VAE stride, text length and width) and the calibration key fingerprints."""
+        VAE stride, text length and width, extra inputs) and the calibration key fingerprints."""
         return self.wan_config
 
-    def _built_model(self) -> WanTransformer3DModel | None:
+    def _built_model(self) -> nn.Module | None:
         return self.transformer
 
     def _set_block_checkpointing(self, mode: str) -> None:
-        set_wan_checkpointing(self._require_model(), mode)
+        set_block_checkpointing(self._require_model(), mode, self.family.block_classes)
 
     def _fused_adaln_sites(self) -> int:
         model = self.transformer
-        return 0 if model is None else sum(_SITES[_wan_class(m)] for m in model.modules()
-                                           if _wan_class(m) is not None and _is_patched(m))
+        if model is None:
+            return 0
+        from lightning_adaptiveload.integrations.diffusers_norms import _TWINS
+
+        twins = tuple(_TWINS.values())
+        return sum(_SITES[_wan_class(m)] if _wan_class(m) is not None and _is_patched(m) else
+                   int(isinstance(m, twins)) for m in model.modules())
 
     def _keys_fix(self) -> str:
         return (f"Name the batch's keys: `{type(self).__name__}(batch_keys={{'latents': ..., 'context': ...}})` "
@@ -524,30 +686,274 @@ class DiffusersWanModule(RectifiedFlowModule):
         return (f"Set `{type(self).__name__}(text_len={length})` if every context has "
                 "that length, or pad the contexts to text_len in the dataset.")
 
-    def _prepare_blocks(self, model: WanTransformer3DModel) -> None:
-        set_wan_checkpointing(model, self._initial_checkpointing())
+    def _prepare_blocks(self, model: nn.Module) -> None:
+        set_block_checkpointing(model, self._initial_checkpointing(), self.family.block_classes)
 
     @override
     def configure_model(self) -> None:
-        """Build the transformer from its config once (Lightning calls this in the strategy's init context)."""
+        """Build the transformer from its config, or load ``pretrained``, once (Lightning calls this in the
+        strategy's init context)."""
         if self.transformer is None:
-            model = WanTransformer3DModel(**self.transformer_config)
+            path, subfolder = self._pretrained
+            cls = self.family.model_class
+            if path is not None:
+                if cls._keep_in_fp32_modules and importlib.util.find_spec("accelerate") is None:
+                    raise ImportError(
+                        f"`{type(self).__name__}(pretrained={path!r})`: loading a {cls.__name__} needs accelerate "
+                        "(diffusers keeps its fp32 modules through it). Install `lightning-adaptiveload[diffusers]`."
+                    )
+                model = cls.from_pretrained(path, **({"subfolder": subfolder} if subfolder else {}))
+            else:
+                model = cls(**self.transformer_config)
             self._prepare_blocks(model)
             self.transformer = model
         if self.hparams.get("compile", False) and not self._blocks_compiled:
             # Lazy: the forwards that FusedAdaLNCallback patches in before the first step are traced.
             options = self.hparams.get("compile_options")
-            blocks = [m for m in self.transformer.modules() if isinstance(m, WanTransformerBlock)]
-            compile_blocks(blocks, _mark_diffusers_block_inputs, **({"options": dict(options)} if options else {}))
+            classes = self.family.block_classes
+            blocks = [m for m in self.transformer.modules() if type(m) in classes]
+            mark = _mark_diffusers_block_inputs if self.family.name == "wan" else _mark_block_inputs
+            compile_blocks(blocks, mark, **({"options": dict(options)} if options else {}))
             self._blocks_compiled = True
 
+    # ------------------------------------------------------------------ protocol
+    def attention_tokens(self, seq_len: int) -> int:
+        """Tokens one sample of ``seq_len`` video tokens has in self-attention: ``seq_len + text_len`` for the
+        joint-attention families (HunyuanVideo, CogVideoX), ``seq_len`` for the cross-attention ones (Wan,
+        LTX-Video), whose text tokens are only keys and values of cross-attention."""
+        return int(seq_len) + (int(self.hparams.text_len) if self.family.joint_text else 0)
+
+    def _check_patch(self, latents: torch.Tensor) -> None:
+        """A ``patch_size`` other than the transformer's miscounts every sample's tokens: refuse it."""
+        actual = self.family.patch_size(self.transformer_config)
+        if tuple(self.patch_size) == actual:
+            return
+        shape = list(latents.shape)
+        try:
+            wrong = f"{tokens_of(latents, self.patch_size)[1]} tokens a sample instead of {tokens_of(latents, actual)[1]}"
+        except ValueError:
+            wrong = "a token count the latents do not divide into"
+        raise MisconfigurationException(
+            f"`{type(self).__name__}.patch_size` is {tuple(self.patch_size)}, but the transformer patchifies latents "
+            f"{shape} by {actual} (its config): batch_shape would count {wrong}. Do not set patch_size; it is read "
+            "from the transformer's config."
+        )
+
     @override
-    def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        """Velocity prediction for latents ``x``, timesteps ``t`` in [0, num_train_timesteps] and ``context``."""
+    def batch_shape(self, batch: Mapping[str, torch.Tensor]) -> tuple[int, int]:
+        """``(B, S)`` of a batch: samples, and tokens per sample after patchify of its latents ``[B,C,F,H,W]``
+        (a ``patch_size`` that differs from the transformer's is refused)."""
+        latents = self._get(batch, "latents")
+        self._check_patch(latents)
+        return tokens_of(latents, self.patch_size)
+
+    def _extras(self, batch: Any, where: str = "a batch") -> dict[str, torch.Tensor]:
+        """The family's extra inputs of ``batch`` (a required one missing is an error naming the fix)."""
+        out = {}
+        for key, required in self.family.extra_keys.items():
+            name = self.batch_keys.get(key, key)
+            if isinstance(batch, Mapping) and batch.get(name) is not None:
+                out[key] = batch[name]
+            elif required:
+                shape = self.family.extra_inputs(self.transformer_config).get(key)
+                keys = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
+                raise MisconfigurationException(
+                    f"`{type(self).__name__}` ({self.family.name}): {where} has no {name!r} ([B, {shape[0] if shape else '...'}], "
+                    f"the pooled text embedding the model requires); it has {keys}. Store it in every sample "
+                    f"(SyntheticMixedDataset(extra_inputs={{{key!r}: {shape}}}) makes random ones) or name the key: "
+                    f"`batch_keys={{{key!r}: ...}}`."
+                )
+        return out
+
+    @override
+    def check_batch(self, batch: Any, where: str = "a training batch") -> None:
+        """The base's checks, the patch size against the latents and the family's required extra inputs."""
+        super().check_batch(batch, where)
+        self._check_patch(self._get(batch, "latents", where))
+        self._extras(batch, where)
+
+    @override
+    def setup(self, stage: str) -> None:
+        """The base's data checks, then one collated sample's extra inputs, before the shape benchmark profiles."""
+        super().setup(stage)
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        dataset = getattr(datamodule, "dataset", None)
+        if stage != "fit" or not self.family.extra_keys or dataset is None:
+            return
+        try:
+            sample = dataset[0]
+        except Exception:  # noqa: BLE001 - the base's checks and the DataModule name dataset errors
+            return
+        collate = getattr(datamodule, "collate_fn", None)
+        if collate is None:
+            from lightning_adaptiveload.data.collate import collate_batch as collate
+        self._extras(collate([sample]), "dataset[0] (collated)")
+
+    @override
+    def synthetic_batch(
+        self,
+        batch_size: int,
+        grid: Sequence[int],
+        device: torch.device | str | None = None,
+        seed: int = 0,
+    ) -> dict[str, Any]:
+        """The base's random batch plus the family's extra inputs: ``context_mask`` (all ones) where the family
+        reads one, ``pooled`` (random, from its own generator) where it needs one."""
+        batch = super().synthetic_batch(batch_size, grid, device, seed)
+        context = batch[self.batch_keys["context"]]
+        if CONTEXT_MASK in self.family.extra_keys:
+            batch[self.batch_keys.get(CONTEXT_MASK, CONTEXT_MASK)] = torch.ones(
+                context.shape[:2], dtype=torch.long, device=context.device)
+        gen = torch.Generator(device=context.device).manual_seed(seed + 1)
+        for key, shape in self.family.extra_inputs(self.transformer_config).items():
+            batch[self.batch_keys.get(key, key)] = torch.randn(batch_size, *shape, device=context.device, generator=gen)
+        return batch
+
+    @override
+    def compute_loss(
+        self, batch: Mapping[str, torch.Tensor], generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        """Rectified-flow loss (fp32 scalar) of a batch (see the base); the family's extra inputs go to the model."""
+        self._require_model()
+        latents, context = self._get(batch, "latents"), self._get(batch, "context")
+        self._check_patch(latents)
+        self.sequence_parallel_group(batch)  # refuses sp_degree > 1: no sequence-parallel path here
+        if generator is None:
+            generator = self.noise_generator(latents.device, stream=OUTSIDE_STREAM)
+        inputs = {"latents": latents, "context": context}
+        if isinstance(batch, Mapping) and batch.get(SAMPLE_WEIGHT_KEY) is not None:
+            inputs[SAMPLE_WEIGHT_KEY] = batch[SAMPLE_WEIGHT_KEY]
+        predict = functools.partial(self, **self._extras(batch))
+        hp = self.hparams
+        return rectified_flow_loss(predict, inputs, hp.timestep_shift, hp.num_train_timesteps, generator)
+
+    def _counted_forward_flops(self, seq_len: int) -> int:
+        """FLOPs (FlopCounterMode) of one forward of one sample of ``seq_len`` tokens (grid (1, 1, seq_len)),
+        run on the meta device: shapes only, no memory, no weights."""
+        from torch.utils.flop_counter import FlopCounterMode
+
+        cfg = self.config
+        with torch.device("meta"):
+            model = self.family.model_class(**self.transformer_config)
+            latents = torch.empty(1, cfg.in_dim, *latent_of_grid((1, 1, seq_len), self.patch_size))
+            context = torch.empty(1, cfg.text_len, cfg.text_dim)
+            extras = {key: torch.empty(1, *shape) for key, shape in self.family.extra_inputs(self.transformer_config).items()}
+            if CONTEXT_MASK in self.family.extra_keys:
+                extras[CONTEXT_MASK] = torch.ones(1, cfg.text_len, dtype=torch.long)
+            t = torch.full((1,), 500.0)
+        counter = FlopCounterMode(display=False)
+        with torch.no_grad(), counter:
+            self.family.predict(model, latents, t, context, extras, self._options())
+        return int(counter.get_total_flops())
+
+    @override
+    def flops_per_sample(self, seq_len: int) -> float:
+        """Model FLOPs of forward + backward for one sample of ``seq_len`` video tokens: 3 × the forward.
+
+        Wan: :func:`~lightning_adaptiveload.models.wan.wan_forward_flops`. The other families: the forward's
+        matmuls as ``torch.utils.flop_counter`` counts them, on the meta device (no weights, no memory), at
+        three lengths once; the forward is exactly quadratic in ``seq_len`` (attention over video + text for
+        the joint-attention families, so their text tokens are counted), which the three points determine.
+        Recomputation under activation checkpointing is not counted.
+        """
+        if self.family.name == "wan":
+            return super().flops_per_sample(seq_len)
+        if self._flops_fit is None:
+            self._flops_fit = _quadratic_through([(s, self._counted_forward_flops(s)) for s in (1, 2, 3)])
+        a, b, c = self._flops_fit
+        s = int(seq_len)
+        return 3.0 * float(a + b * s + c * s * s)
+
+    def _options(self) -> dict[str, Any]:
+        hp = self.hparams
+        return {"guidance_scale": hp.get("guidance_scale", 6.0), "frame_rate": hp.get("frame_rate", 25.0),
+                "vae_stride": self.vae_stride}
+
+    @override
+    def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, **extras: torch.Tensor) -> torch.Tensor:
+        """Velocity prediction for latents ``x``, timesteps ``t`` in [0, num_train_timesteps], ``context`` and the
+        family's extra inputs (``context_mask``, ``pooled``)."""
         model = self._require_model()
-        dtype = model.patch_embedding.weight.dtype
+        dtype = model.dtype
         with whole_block_graphs() if self._blocks_compiled else contextlib.nullcontext():
-            return model(x.to(dtype), t, context.to(dtype), return_dict=False)[0]
+            return self.family.predict(model, x.to(dtype), t, context.to(dtype), extras, self._options())
+
+
+class DiffusersWanModule(DiffusersVideoModule):
+    """:class:`DiffusersVideoModule` for diffusers' ``WanTransformer3DModel`` (Wan 2.1, Wan 2.2): ``family``
+    defaults to ``"wan"``, also for a config mapping without ``_class_name``.
+
+    Example::
+
+        module = DiffusersWanModule(WanTransformer3DModel.from_pretrained(repo, subfolder="transformer"))
+        trainer = Trainer(precision="bf16-mixed", callbacks=[FusedAdaLNCallback()])
+        trainer.fit(module, datamodule=dm)
+    """
+
+    _default_family = "wan"
+
+
+def _plain_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(dict(config), sort_keys=True, default=str))
+
+
+def _resolve_transformer(
+    cls: str, transformer: Any, family: str | None, pretrained: str | None, default: str | None
+) -> tuple[VideoFamily, dict[str, Any], nn.Module | None, str | None]:
+    """(family, constructor config, the given model or None, the pretrained subfolder) of the arguments."""
+    if family is not None and family not in FAMILIES:
+        raise ValueError(f"`{cls}(family={family!r})` is not valid. Expected one of {sorted(FAMILIES)} (or None: "
+                         "detected from the transformer).")
+    classes = ", ".join(f.model_class.__name__ for f in FAMILIES.values())
+    subfolder, dir_config = None, None
+    if pretrained is not None:
+        path = Path(str(pretrained))
+        if not (path / "config.json").is_file() and (path / "transformer" / "config.json").is_file():
+            subfolder = "transformer"
+        config_file = path / (subfolder or "") / "config.json"
+        if not config_file.is_file():
+            raise ValueError(
+                f"`{cls}(pretrained={str(pretrained)!r})` is not valid: no config.json there (nor in transformer/). "
+                "Expected a local directory written by the transformer's save_pretrained (download hub models first)."
+            )
+        dir_config = json.loads(config_file.read_text())
+    model = transformer if isinstance(transformer, nn.Module) else None
+    if model is not None:
+        fam = family_of(model)
+        if fam is None:
+            raise TypeError(f"`{cls}(transformer={type(model).__name__})` is not valid. Expected one of {classes} "
+                            "or the keyword arguments of its constructor.")
+        config = dict(model.config)
+    elif isinstance(transformer, Mapping) or (transformer is None and dir_config is not None):
+        config = dict(dir_config if transformer is None else transformer)
+        named = config.get("_class_name") or (dir_config or {}).get("_class_name")
+        fam = family_of(named) if named else None
+        if named and fam is None:
+            raise ValueError(f"`{cls}(transformer={{'_class_name': {named!r}, ...}})` is not a supported family. "
+                             f"Expected one of {classes}.")
+    else:
+        raise TypeError(f"`{cls}(transformer={type(transformer).__name__})` is not valid. Expected one of {classes}, "
+                        "the keyword arguments of its constructor, or None with `pretrained=<directory>`.")
+    if family is not None:
+        if fam is not None and fam.name != family:
+            raise ValueError(f"`{cls}(family={family!r})` disagrees with the transformer, a {fam.model_class.__name__} "
+                             f"(family {fam.name!r}). Leave family unset.")
+        fam = FAMILIES[family]
+    if fam is None:
+        fam = FAMILIES.get(default) if default else None
+    if fam is None:
+        raise ValueError(f"`{cls}(transformer={{...}})` does not say which model it configures. Pass "
+                         f"`family=` ({sorted(FAMILIES)}) or a config with `_class_name`.")
+    config = {k: v for k, v in config.items() if not k.startswith("_")}
+    if dir_config is not None:
+        stored = {k: v for k, v in dir_config.items() if not k.startswith("_")}
+        different = sorted(k for k in config if k in stored and _plain_config({k: config[k]}) != _plain_config(
+            {k: stored[k]}))
+        if different:
+            raise ValueError(f"`{cls}(transformer=..., pretrained={str(pretrained)!r})`: {different} differ from the "
+                             "directory's config.json. Pass transformer=None to use the directory's config.")
+        config = {**stored, **config}
+    return fam, config, model, subfolder
 
 
 def _resolve_checkpointing(cls: str, setting: bool | str | None, alias: bool | None, model_flag: bool) -> bool | str:
@@ -573,13 +979,14 @@ def _resolve_checkpointing(cls: str, setting: bool | str | None, alias: bool | N
     return setting
 
 
-def _check_batch_keys(cls: str, keys: Mapping[str, str] | None) -> dict[str, str] | None:
+def _check_batch_keys(cls: str, keys: Mapping[str, str] | None, family: VideoFamily) -> dict[str, str] | None:
     if keys is None:
         return None
-    if not isinstance(keys, Mapping) or not set(keys) <= {"latents", "context"} or not all(
+    allowed = ["latents", "context", *family.extra_keys]
+    if not isinstance(keys, Mapping) or not set(keys) <= set(allowed) or not all(
             isinstance(v, str) and v for v in keys.values()):
         raise ValueError(
-            f"`{cls}(batch_keys={keys!r})` is not valid. Expected a mapping from 'latents' and/or 'context' to the "
+            f"`{cls}(batch_keys={keys!r})` is not valid. Expected a mapping from {allowed} ({family.name}) to the "
             "batch's key names, e.g. {'latents': 'hidden_states', 'context': 'encoder_hidden_states'}."
         )
     return dict(keys)

@@ -70,7 +70,8 @@ def test_registry_maps_user_classes(monkeypatch):
         register_adaln_module(MyNorm, "nope")
     unregister_adaln_module(MyNorm)
     assert apply_fused_adaln(nn.Sequential(MyNorm())) == 0
-    with pytest.raises(ValueError, match=r"unregister_adaln_module\(.*MyNorm.*Registered: \['AdaLayerNorm'\]"):
+    # (diffusers' AdaLN-Zero norms are listed too once diffusers is imported)
+    with pytest.raises(ValueError, match=r"unregister_adaln_module\(.*MyNorm.*Registered: \[.*'AdaLayerNorm'\]"):
         unregister_adaln_module(MyNorm)
 
 
