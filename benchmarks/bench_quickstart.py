@@ -65,6 +65,9 @@ def run_train(kind: str, extra: list[str], work: Path, cache: Path, timeout: int
                   "predicted_tokens_per_s": float(m[10].replace(",", ""))} for m in _DECISION.finditer(log)]
     return {"kind": kind, "wall_s": wall, "tokens_per_s": metrics.get("balance/tokens_per_s"),
             "epoch_tokens_per_s": metrics.get("balance/epoch_tokens_per_s"), "steps": metrics.get("balance/steps"),
+            "mfu": metrics.get("balance/mfu"), "epoch_mfu": metrics.get("balance/epoch_mfu"),
+            "sm_clock_mhz": metrics.get("balance/sm_clock_mhz"), "power_w": metrics.get("balance/power_w"),
+            "attention": [line for line in log.splitlines() if "attention=auto" in line][-1:],
             "profiled": "profiled in" in log, "decisions": decisions, "overrides": args[3:],
             "per_shape": [{k: r[k] for k in ("B", "S", "steps", "measured_over_predicted") if k in r}
                           for r in metrics.get("per_shape", [])]}
