@@ -163,6 +163,32 @@ def test_oversize_error_names_the_m_mem_setting_that_is_live(tmp_path, benchmark
     assert "`m_mem`" not in message and "on the policy" not in message
 
 
+def test_out_of_memory_is_one_line_with_advice(tmp_path, capsys, monkeypatch):
+    import threading
+
+    from lightning_adaptiveload.cli import errors
+
+    monkeypatch.setattr(errors, "_reported", threading.Event())  # one report per process: this test's
+    errors.forget_run()
+    try:
+        torch.empty(2**62, dtype=torch.uint8)  # 4 EiB: the CPU allocator's own refusal
+    except RuntimeError as err:
+        refused = err
+    for overrides, m_mem in (([], "callbacks.shape_benchmark.m_mem"), (["~callbacks.shape_benchmark"],
+                                                                        "bucketing.policy.m_mem")):
+        cfg = _compose(overrides, tmp_path)
+        errors._running["trainer"] = build(cfg).trainer
+        errors._reported.clear()
+        with pytest.raises(SystemExit) as info:
+            errors.exit_on_error(refused, cfg)
+        out = capsys.readouterr().err
+        assert info.value.code == 1 and out.count("\n") == 1, out
+        assert out.startswith("adaptiveload-train: out of CPU memory (an allocation of 4,294,967,296.00 GiB failed). "
+                              f"Lower the tokens per batch (`{m_mem}`")
+        assert "`data.datamodule.num_workers`" in out and "Traceback" not in out
+    errors.forget_run()
+
+
 def test_fixed_batch_error_is_the_override_with_the_table_to_fill_in(tmp_path):
     from lightning_adaptiveload.bucketing.policy import FixedBatchPolicy
 

@@ -90,7 +90,41 @@ _report_lock = threading.Lock()
 _reported = threading.Event()
 
 
-def _describe(err: BaseException) -> str:
+# Words of an allocator's refusal: CPU (DefaultCPUAllocator), CUDA (torch.OutOfMemoryError), Python's MemoryError.
+_OUT_OF_MEMORY = re.compile(r"out of memory|DefaultCPUAllocator|can't allocate memory|Cannot allocate memory")
+
+
+def _out_of_memory(err: BaseException, cfg: DictConfig | None) -> str | None:
+    """One line with advice for an out-of-memory error, or None for any other error."""
+    if not isinstance(err, (RuntimeError, MemoryError)) or not (
+        isinstance(err, MemoryError) or _OUT_OF_MEMORY.search(str(err))
+    ):
+        return None
+    text = " ".join(str(err).split())
+    device = "GPU" if "CUDA" in text else "CPU"
+    wanted = re.search(r"(?:tried to allocate|Tried to allocate) ([\d.]+) ?(bytes|[KMGT]iB)", text)
+    if wanted and wanted[2] == "bytes":
+        size = f"{int(wanted[1]) / 2**30:,.2f} GiB"
+    else:
+        size = f"{wanted[1]} {wanted[2]}" if wanted else None
+    trainer = _running.get("trainer")
+    at = f" at step {trainer.global_step}" if trainer is not None and trainer.global_step else ""
+    m_mem = "bucketing.policy.m_mem"
+    if cfg is not None and trainer is not None:
+        from lightning_adaptiveload.cli.checks import live_m_mem
+
+        m_mem = live_m_mem(cfg, trainer.callbacks)
+    return (
+        f"out of {device} memory{at}{f' (an allocation of {size} failed)' if size else ''}. Lower the tokens per "
+        f"batch (`{m_mem}`; every batch size follows it) or give smaller batches, use fewer DataLoader workers "
+        "(`data.datamodule.num_workers`), or a smaller model; `HYDRA_FULL_ERROR=1` shows the traceback."
+    )
+
+
+def _describe(err: BaseException, cfg: DictConfig | None = None) -> str:
+    oom = _out_of_memory(err, cfg)
+    if oom is not None:
+        return oom
     if isinstance(err, user_error_types()):
         return " ".join(str(err).split("\n")) if isinstance(err, ConfigError) else str(err)
     return "".join(traceback.format_exception(type(err), err, err.__traceback__)).rstrip()
@@ -172,7 +206,7 @@ def exit_on_error(err: BaseException, cfg: DictConfig | None) -> None:
 
         ErrorHandler().record_exception(err)
     rank = global_rank()
-    text = _describe(err)
+    text = _describe(err, cfg)
     errors = _errors_dir(cfg)
     multi = _world_size() > 1
     if rank != 0 and multi:
