@@ -60,6 +60,8 @@ class VideoFamily:
     in_channels_key: str = "in_channels"
     #: Extra batch keys the family reads (besides latents and context) and whether each is required.
     extra_keys: Mapping[str, bool] = {}
+    #: Config keys of the repeated blocks' counts (the FLOP count is linear in each).
+    layer_keys: tuple[str, ...] = ("num_layers",)
 
     def cfg(self, config: Mapping[str, Any], key: str) -> Any:
         """``config[key]``, or the constructor's default for a key the mapping leaves out."""
@@ -137,6 +139,7 @@ class _HunyuanVideo(VideoFamily):
     joint_text = True
     text_dim_key = "text_embed_dim"
     extra_keys = {CONTEXT_MASK: False, POOLED: True}
+    layer_keys = ("num_layers", "num_single_layers")
 
     def patch_size(self, config):
         p = int(self.cfg(config, "patch_size"))
