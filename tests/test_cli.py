@@ -18,7 +18,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import open_dict
+from omegaconf import OmegaConf, open_dict
 
 import lightning_adaptiveload as package
 from lightning_adaptiveload.callbacks.balance_monitor import BalanceMonitor
@@ -83,6 +83,24 @@ def test_help_and_config_typos_are_answered_before_torch_is_imported(argv):
         assert "== Configuration groups ==" in proc.stdout
     else:
         assert re.search(r"max_stepz|modle", proc.stderr), proc.stderr
+
+
+@pytest.mark.parametrize("typo, fix", [
+    ("trainer.max_step=3", "did you mean `trainer.max_steps=3`?"),
+    ("modle=tiny", "did you mean `model=tiny`?"),
+    ("trainer.accumulate_grad_batches=2", "add it with `+trainer.accumulate_grad_batches=2`."),
+])
+def test_an_unknown_key_is_answered_with_a_fix_that_composes(typo, fix, tmp_path):
+    from lightning_adaptiveload.cli.checks import check_overrides
+
+    with pytest.raises(ConfigError) as err:
+        check_overrides([typo, "trainer.devices=1"], str(ROOT / "conf"))
+    message = str(err.value)
+    assert message.startswith(f"`{typo.split('=')[0]}` is not ") and message.endswith(fix) and "\n" not in message
+    suggested = re.search(r"`([^`]+)`[?.]$", message)[1]
+    cfg = _compose([suggested], tmp_path)  # the suggestion is a valid override (Hydra's `+trainer.max_step` is not)
+    assert OmegaConf.select(cfg, suggested.lstrip("+").split("=")[0]) is not None
+    check_overrides([suggested, "trainer.devices=1"], str(ROOT / "conf"))  # and passes the check
 
 
 def test_console_script_import_stays_light():

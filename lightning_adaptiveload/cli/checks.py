@@ -8,6 +8,8 @@ top, so ``--help`` and config typos are answered before torch is loaded.
 from __future__ import annotations
 
 import ast
+import difflib
+import inspect
 import os
 import re
 import sys
@@ -143,6 +145,78 @@ def instantiate_node(node: DictConfig, path: str, **kwargs: Any) -> Any:
         if message == str(cause):  # nothing to rewrite: say which node it came from
             message = f"{path} ({target}): {message}"
         raise ConfigError(message) from cause
+
+
+# ---------------------------------------------------------------------------------------------
+# Overrides of keys the config does not have.
+
+
+def check_overrides(argv: list[str], config_dir: str, config_name: str = "train") -> None:
+    """Raise ``ConfigError`` when an override sets a key the config does not have, with the fix.
+
+    Hydra's own answer, "To append to your config use +trainer.max_step=3", leads to the next error when the
+    key is a typo (the Trainer has no ``max_step``); this says ``did you mean `trainer.max_steps=3`?``, and
+    suggests ``+`` only for an argument the node's target takes. Composes the config once more (~0.3 s) when
+    an override sets an existing key's value; other composition errors are left to Hydra.
+    """
+    if any(a in ("-m", "--multirun") for a in argv):
+        return
+    overrides = [a for a in argv if not a.startswith("-") and "=" in a]
+    if not any(o[0] not in "+~" for o in overrides):
+        return
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import ConfigCompositionException
+
+    def _compose(items: list[str]) -> DictConfig:
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
+                return compose(config_name, overrides=items, return_hydra_config=True)
+        finally:
+            GlobalHydra.instance().clear()
+
+    try:
+        _compose(overrides)
+        return
+    except ConfigCompositionException as err:
+        unknown = re.match(r"Could not override '([^']+)'", str(err))
+        if unknown is None:
+            return
+        key = unknown[1]
+    except Exception:  # noqa: BLE001 - anything else: Hydra reports it as usual
+        return
+    value = next(o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == key)
+    try:
+        cfg = _compose([o for o in overrides if o.split("=", 1)[0] != key])
+    except Exception:  # noqa: BLE001
+        return
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    keys = [str(k) for k in node.keys() if str(k) != "hydra"] if isinstance(node, DictConfig) else []
+    where = parent or "the config"
+    keys = [k for k in keys if not k.startswith("_")]
+
+    def _did_you_mean(names: list[str], cutoff: float = 0.6) -> None:
+        close = difflib.get_close_matches(leaf, names, n=1, cutoff=cutoff)
+        if close:
+            name = f"{parent}.{close[0]}" if parent else close[0]
+            raise ConfigError(f"`{key}` is not a setting of {where}; did you mean `{name}={value}`?")
+
+    _did_you_mean(keys, cutoff=0.8)  # a clear typo of a listed key: answered before torch is imported
+    target = node.get("_target_") if isinstance(node, DictConfig) else None
+    if target:  # the arguments the node's target takes (imports it: this is the error path)
+        from hydra.utils import get_object
+
+        try:
+            params = [n for n in inspect.signature(get_object(str(target))).parameters if n not in ("self", "kwargs")]
+        except Exception:  # noqa: BLE001 - a target that does not import: keys only
+            params = []
+        if leaf in params:  # an argument the config does not list: Hydra's hint is right
+            raise ConfigError(f"`{key}` is not in the config of {where}; add it with `+{key}={value}`.")
+        _did_you_mean(params)
+    _did_you_mean(keys)
+    raise ConfigError(f"`{key}` is not a setting of {where} (its settings: {', '.join(keys)}); check the name.")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ error wording live in :mod:`.checks`, node helpers in :mod:`.components`, multi-
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -148,9 +149,19 @@ def train(cfg: DictConfig) -> dict[str, float]:
     return metrics
 
 
+def main() -> None:
+    """Console script ``adaptiveload-train``: overrides of keys the config lacks are answered with the fix
+    (:func:`~.checks.check_overrides`), the rest is Hydra's app (:func:`_hydra_main`)."""
+    try:
+        checks.check_overrides(sys.argv[1:], _config_path())
+    except checks.ConfigError as err:
+        print(f"adaptiveload-train: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
+    _hydra_main()
+
+
 @hydra.main(version_base="1.3", config_path=_config_path(), config_name="train")
-def main(cfg: DictConfig) -> None:
-    """Console script ``adaptiveload-train``."""
+def _hydra_main(cfg: DictConfig) -> None:
     try:
         OmegaConf.resolve(cfg)
         metrics = train(cfg)  # build() checks the required settings and ckpt_path before anything else
