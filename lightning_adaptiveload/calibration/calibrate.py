@@ -33,7 +33,7 @@ import lightning_adaptiveload.calibration.derive as derive
 import lightning_adaptiveload.calibration.record as record
 from lightning_adaptiveload._checks import check_choice, check_positive
 from lightning_adaptiveload.bucketing.sampler import oversize_error
-from lightning_adaptiveload.calibration.costmodel import FORMS
+from lightning_adaptiveload.calibration.costmodel import FORMS, token_table
 from lightning_adaptiveload.calibration.profile import (
     Collectives,
     LocalCollectives,
@@ -124,6 +124,9 @@ class Trainee:
         device_memory: bytes of the device (``None``: not measured, e.g. CPU).
         pending_bytes: optimizer state not yet allocated while profiling.
         isolation: a context manager factory that leaves no trace of profiling (weights, RNG, modes).
+        attention_tokens: ``S -> S_attn``, the tokens one sample of ``S`` video tokens has in attention (the
+            module's ``attention_tokens``, :func:`~lightning_adaptiveload.models.protocol.attention_tokens_of`);
+            the cost and memory models are fitted in them. ``None``: ``S``.
     """
 
     make_step: Callable[[int, tuple[int, int, int]], Callable[[], None]]
@@ -139,6 +142,7 @@ class Trainee:
     isolation: Callable[[], Any] = contextlib.nullcontext
     device_name: str = "cpu"
     world_size: int = 1
+    attention_tokens: Callable[[int], int] | None = None
 
 
 @dataclass
@@ -342,7 +346,7 @@ def profile_modes(grids: np.ndarray, settings: ProfileSettings, trainee: Trainee
     if trainee.device_memory:
         limit = trainee.device_memory * (1.0 - settings.memory_margin) - trainee.pending_bytes
     modes: tuple[str | None, ...] = trainee.modes or (None,)
-    seq_all = grids.prod(axis=1)
+    seq_all = seq_all_corpus = grids.prod(axis=1)
     if settings.m_mem is not None:
         grids, seq_all = grids[seq_all <= settings.m_mem], seq_all[seq_all <= settings.m_mem]
     say(f"profiling {len(np.unique(seq_all))} sequence lengths on {trainee.device_name} x {trainee.world_size}"
@@ -351,7 +355,7 @@ def profile_modes(grids: np.ndarray, settings: ProfileSettings, trainee: Trainee
     common = dict(collectives=trainee.collectives, synchronize=trainee.synchronize, memory=trainee.memory,
                   on_oom=trainee.on_oom, compile_clock=trainee.compile_clock, warmup=settings.warmup,
                   repeats=settings.repeats, shape_time_s=settings.shape_time_s, memory_limit=limit,
-                  stable_rel=settings.stable_rel, form=settings.form)
+                  stable_rel=settings.stable_rel, form=settings.form, attention_tokens=trainee.attention_tokens)
     clock = time.perf_counter
     start = clock()
     compile_start = trainee.compile_clock() if trainee.compile_clock else 0.0
@@ -386,8 +390,10 @@ def profile_modes(grids: np.ndarray, settings: ProfileSettings, trainee: Trainee
                     f"'{mode}'; trying '{modes[k + 1]}'")
     measurements = [m for _, ms in by_mode for m in ms]
     base_mode, base = max(by_mode, key=lambda mm: sum(m.status == "ok" for m in mm[1]))
+    # Every corpus and profiled length, so the models price each bucket at its own attention tokens.
+    table = token_table(trainee.attention_tokens, [*seq_all_corpus, *(m.seq_len for m in measurements)])
     try:
-        cost_model, memory_model, notes = derive.fit_models(base, settings.form,
+        cost_model, memory_model, notes = derive.fit_models(base, settings.form, attention_tokens=table,
                                                             fit_memory=trainee.device_memory is not None)
     except ValueError as err:
         raise RuntimeError(f"calibration: {err}") from err

@@ -26,6 +26,14 @@ slow shape among smooth ones). Lengths without one are the form's.
 
 Peak memory is modelled as ``m0 + m1·B·S`` bytes (:class:`MemoryModel`), which gives the token
 budget ``M_mem`` for a device.
+
+The tokens attention sees: a model whose attention runs over more tokens than the video's ``S`` (an MMDiT
+joins ``L`` text tokens to every sample: ``S + L``) gives both models an ``attention_tokens`` table
+``{S: S_attn}`` (the module's ``attention_tokens(seq_len)`` at every length of the corpus and the profile;
+:func:`token_table`). Both then fit and predict in ``S_attn`` while every caller keeps asking for video
+``S`` (buckets, policies and the sampler are keyed by it): ``predict(B, S)`` is the form at ``B``,
+``S_attn(S)``. Lengths between or beyond the table's are interpolated linearly (an affine map such as
+``S + L`` is exact everywhere); an empty table is the identity.
 """
 
 from __future__ import annotations
@@ -65,6 +73,57 @@ _LOO_MAX_POINTS = 24
 # A profiled step longer than a day is a broken clock or a unit error, not a measurement.
 _MAX_STEP_SECONDS = 86_400.0
 _KFOLD = 8
+
+
+def token_table(attention_tokens: Any, seq_lens: Any = ()) -> dict[int, int]:
+    """``{S: S_attn}`` of a model's ``attention_tokens``: a mapping (taken as is) or a callable evaluated at
+    every distinct ``seq_lens``; ``{}`` (the identity) for ``None`` or a map that is the identity there.
+
+    Raises:
+        ValueError: a value is not an integer >= its S (attention sees at least the video's tokens).
+    """
+    if attention_tokens is None:
+        return {}
+    if isinstance(attention_tokens, dict):
+        items = attention_tokens.items()
+    else:
+        items = ((int(v), attention_tokens(int(v))) for v in np.unique(np.asarray(seq_lens, dtype=np.int64)))
+    table = {}
+    for k, v in items:
+        if isinstance(v, bool) or int(k) < 1 or int(v) != v or int(v) < int(k):
+            raise ValueError(f"`attention_tokens({int(k)})` returned {v!r}. Expected an integer >= {int(k)} (the video "
+                             "tokens plus any joint text tokens attention sees).")
+        table[int(k)] = int(v)
+    if all(k == v for k, v in table.items()):
+        return {}
+    return dict(sorted(table.items()))
+
+
+def map_tokens(table: dict[int, int], seq_len: Any) -> np.ndarray:
+    """``S_attn`` of every ``seq_len`` by ``table`` (:func:`token_table`): exact at its lengths, linear between
+    them and beyond them (slope of the nearest two; a one-entry table shifts by its offset); identity if empty."""
+    s = np.asarray(seq_len, dtype=np.float64)
+    if not table:
+        return s
+    k = np.array(list(table), dtype=np.float64)
+    v = np.array(list(table.values()), dtype=np.float64)
+    if len(k) == 1:
+        return s + (v[0] - k[0])
+    out = np.interp(s, k, v)
+    lo, hi = (v[1] - v[0]) / (k[1] - k[0]), (v[-1] - v[-2]) / (k[-1] - k[-2])
+    out = np.where(s < k[0], v[0] + (s - k[0]) * lo, out)
+    return np.where(s > k[-1], v[-1] + (s - k[-1]) * hi, out)
+
+
+def _table_from_json(data: Any, what: str) -> dict[int, int]:
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} JSON has attention_tokens={data!r}. Expected an object of S: S_attn.")
+    try:
+        return token_table({int(k): v for k, v in data.items()})
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{what} JSON has attention_tokens={str(data)[:200]!r}: {err}") from err
 
 
 def _as_1d(name: str, values: Any) -> np.ndarray:
@@ -214,6 +273,8 @@ class CostModel:
             for ``"auto"`` fits the held-out error of every form tried (``heldout_<form>``).
         corrections: ``{S: factor}``: the prediction at exactly sequence length ``S`` is the form's times
             ``factor`` (measured in training; see the module docstring). Empty for a profiled model.
+        attention_tokens: ``{S: S_attn}``: the form is in the tokens attention sees (see the module
+            docstring; :func:`token_table`); empty: ``S`` itself.
 
     Raises:
         ValueError: If the form is unknown or the parameters are missing, negative or not finite.
@@ -228,8 +289,10 @@ class CostModel:
     params: dict[str, float]
     quality: dict[str, float] = field(default_factory=dict)
     corrections: dict[int, float] = field(default_factory=dict)
+    attention_tokens: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "attention_tokens", token_table(dict(self.attention_tokens)))
         if self.form not in FORMS:
             raise ValueError(f"`CostModel(form={self.form!r})` is not valid. Expected one of {FORMS}.")
         names = PARAM_NAMES[self.form]
@@ -266,16 +329,19 @@ class CostModel:
         object.__setattr__(self, "corrections", dict(sorted(corrections.items())))
 
     @classmethod
-    def fit(cls, batch_sizes: Any, seq_lens: Any, times: Any, form: str = "auto") -> CostModel:
+    def fit(cls, batch_sizes: Any, seq_lens: Any, times: Any, form: str = "auto",
+            attention_tokens: Any = None) -> CostModel:
         """Fits the model to measured step times.
 
         Args:
             batch_sizes: Batch size ``B`` of each measurement.
-            seq_lens: Tokens per sample ``S`` of each measurement.
+            seq_lens: Tokens per sample ``S`` of each measurement (video tokens).
             times: Step time in seconds of each measurement (finite, > 0).
             form: ``"power"``, ``"quadratic"``, ``"saturating"`` or ``"auto"`` (lowest held-out median relative error;
                 falls back to the lowest in-sample error, with a warning, when there are too few points
                 to hold any out).
+            attention_tokens: ``{S: S_attn}`` or a callable ``S -> S_attn`` (:func:`token_table`): the form is
+                fitted in the tokens attention sees; ``None``: in ``S``.
 
         Raises:
             ValueError: On mismatched lengths, non-finite or non-positive entries, fewer than 4 points,
@@ -284,11 +350,13 @@ class CostModel:
         if form not in (*FORMS, "auto"):
             raise ValueError(f"`CostModel.fit(form={form!r})` is not valid. Expected one of {(*FORMS, 'auto')}.")
         b, s, t = _validate_points(batch_sizes, seq_lens, times, "times")
+        table = token_table(attention_tokens, s)
+        s_video, s = s, map_tokens(table, s)
         absurd = np.flatnonzero(t > _MAX_STEP_SECONDS)
         if absurd.size:
             i = int(absurd[0])
             raise ValueError(
-                f"`times[{i}]={float(t[i])!r}` s (B={b[i]:g}, S={s[i]:g}) is not a plausible step time (above "
+                f"`times[{i}]={float(t[i])!r}` s (B={b[i]:g}, S={s_video[i]:g}) is not a plausible step time (above "
                 f"{_MAX_STEP_SECONDS:g} s). Times are seconds per step; re-profile or drop that measurement."
             )
         n_params = 3
@@ -333,13 +401,14 @@ class CostModel:
         else:
             chosen = form
             quality = quals[form]
-        return cls(chosen, fits[chosen], quality)
+        return cls(chosen, fits[chosen], quality, attention_tokens=table)
 
     def predict(self, batch_size: Any, seq_len: Any) -> np.ndarray | float:
-        """Predicted step time in seconds; broadcasts over numpy arrays, returns a float for scalars."""
+        """Predicted step time in seconds of ``batch_size`` samples of ``seq_len`` video tokens (the form at
+        their attention tokens); broadcasts over numpy arrays, returns a float for scalars."""
         b = np.asarray(batch_size, dtype=np.float64)
         s = np.asarray(seq_len, dtype=np.float64)
-        out = _predict(self.form, np.array(list(self.params.values())), b, s)
+        out = _predict(self.form, np.array(list(self.params.values())), b, map_tokens(self.attention_tokens, s))
         if self.corrections:
             keys = np.array(list(self.corrections), dtype=np.float64)
             factors = np.array(list(self.corrections.values()))
@@ -355,7 +424,7 @@ class CostModel:
             raise ValueError(f"`CostModel.scaled(factor={factor!r})` is not valid. Expected a positive finite number.")
         fixed = {"p", "k"}
         params = {k: v if k in fixed else v * float(factor) for k, v in self.params.items()}
-        return CostModel(self.form, params, dict(self.quality), dict(self.corrections))
+        return CostModel(self.form, params, dict(self.quality), dict(self.corrections), dict(self.attention_tokens))
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (see :meth:`to_json`)."""
@@ -366,6 +435,8 @@ class CostModel:
             "params": dict(self.params),
             "quality": {k: (v if math.isfinite(v) else None) for k, v in self.quality.items()},
             **({"corrections": {str(k): v for k, v in self.corrections.items()}} if self.corrections else {}),
+            **({"attention_tokens": {str(k): v for k, v in self.attention_tokens.items()}}
+               if self.attention_tokens else {}),
         }
 
     def to_json(self) -> str:
@@ -399,7 +470,9 @@ class CostModel:
             corrections = {int(k): v for k, v in corrections.items()}
         except ValueError as err:
             raise ValueError(f"CostModel JSON has corrections={corrections!r}. Expected integer keys.") from err
-        return cls(data.get("form"), params, quality, corrections)
+        # absent: attention sees the video tokens (every record before the field)
+        return cls(data.get("form"), params, quality, corrections,
+                   _table_from_json(data.get("attention_tokens"), "CostModel"))
 
     @classmethod
     def from_json(cls, text: str) -> CostModel:
@@ -429,7 +502,11 @@ class CostModel:
         fixes = ""
         if self.corrections:
             fixes = ", measured in training at " + ", ".join(f"S={k:,} x{v:.2f}" for k, v in self.corrections.items())
-        return f"CostModel[{self.form}]: {expr} (held-out median rel. error {held:.1%}{fixes})"
+        attn = ""
+        if self.attention_tokens:
+            (s0, a0), (s1, a1) = next(iter(self.attention_tokens.items())), list(self.attention_tokens.items())[-1]
+            attn = f", S = attention tokens ({s0:,} -> {a0:,} .. {s1:,} -> {a1:,})"
+        return f"CostModel[{self.form}]: {expr} (held-out median rel. error {held:.1%}{fixes}{attn})"
 
 
 @dataclass(frozen=True)
@@ -441,13 +518,17 @@ class MemoryModel:
         m1: Bytes per token of the batch (activations).
         m2: Bytes per sample whatever its length (e.g. the text context and its cross-attention keys and
             values); 0 when the profile cannot separate it from the per-token memory.
+        attention_tokens: ``{S: S_attn}``: ``S`` in the formula is the tokens attention sees (module
+            docstring); empty: the video tokens.
     """
 
     m0: float
     m1: float
     m2: float = 0.0
+    attention_tokens: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "attention_tokens", token_table(dict(self.attention_tokens)))
         for name, v in (("m0", self.m0), ("m1", self.m1), ("m2", self.m2)):
             if not math.isfinite(v) or v < 0:
                 raise ValueError(f"`MemoryModel({name}={v!r})` is not valid. Expected a finite non-negative number.")
@@ -455,8 +536,9 @@ class MemoryModel:
             raise ValueError("`MemoryModel(m1=0)` is not valid: peak memory must grow with the number of tokens.")
 
     @classmethod
-    def fit(cls, batch_sizes: Any, seq_lens: Any, peak_bytes: Any) -> MemoryModel:
-        """Non-negative least squares of peak bytes on tokens ``B·S`` and samples ``B``.
+    def fit(cls, batch_sizes: Any, seq_lens: Any, peak_bytes: Any, attention_tokens: Any = None) -> MemoryModel:
+        """Non-negative least squares of peak bytes on tokens ``B·S`` and samples ``B`` (``S`` in attention
+        tokens with ``attention_tokens``, :func:`token_table`).
 
         The per-sample term is fitted only when the points separate it: some sequence length profiled at two
         batch sizes (otherwise ``B`` is a mix of the other two columns on the profiled points), and it stays 0
@@ -467,6 +549,8 @@ class MemoryModel:
                 with tokens.
         """
         b, s, m = _validate_points(batch_sizes, seq_lens, peak_bytes, "peak_bytes")
+        table = token_table(attention_tokens, s)
+        s = map_tokens(table, s)
         tokens = b * s
         if len(np.unique(tokens)) < 2:
             raise ValueError(
@@ -489,12 +573,12 @@ class MemoryModel:
                 "`MemoryModel.fit`: measured peak memory does not grow with B·S "
                 f"(peaks {m.tolist()}); cannot derive a token budget from it. Pass `m_mem` explicitly."
             )
-        return cls(float(m0 * scale), float(m1n * scale / tokens.max()), float(m2n * scale / b.max()))
+        return cls(float(m0 * scale), float(m1n * scale / tokens.max()), float(m2n * scale / b.max()), table)
 
     def predict(self, batch_size: Any, seq_len: Any) -> np.ndarray | float:
-        """Predicted peak bytes; broadcasts over numpy arrays."""
+        """Predicted peak bytes of ``batch_size`` samples of ``seq_len`` video tokens; broadcasts over numpy arrays."""
         b = np.asarray(batch_size, dtype=np.float64)
-        out = self.m0 + self.m1 * b * np.asarray(seq_len, dtype=np.float64) + self.m2 * b
+        out = self.m0 + self.m1 * b * map_tokens(self.attention_tokens, seq_len) + self.m2 * b
         return float(out) if np.ndim(out) == 0 else out
 
     def max_batch_size(self, seq_len: int, device_memory: float, margin: float = 0.1) -> int:
@@ -502,14 +586,16 @@ class MemoryModel:
         if not 0 <= margin < 1:
             raise ValueError(f"`margin={margin!r}` is not valid. Expected a fraction in [0, 1).")
         free = device_memory * (1.0 - margin) - self.m0
-        return max(0, math.floor(free / (self.m1 * seq_len + self.m2)))
+        return max(0, math.floor(free / (self.m1 * float(map_tokens(self.attention_tokens, seq_len)) + self.m2)))
 
     def max_tokens(self, device_memory: float, margin: float = 0.1, oom_tokens: Any = None,
                    min_seq_len: int | None = None) -> int:
         """Token budget ``M_mem = floor((device_memory·(1 - margin) - m0) / (m1 + m2 / S_min))``.
 
         With the per-sample term, a batch of ``M_mem`` tokens holds the most samples at the shortest
-        sequence length ``S_min``, so the budget is set there and holds for every longer one.
+        sequence length ``S_min``, so the budget is set there and holds for every longer one. With an
+        ``attention_tokens`` table the budget stays in video tokens ``B·S`` (what policies bound) and is set
+        at the length of the table (``>= S_min``) with the most bytes per video token.
 
         Args:
             device_memory: Usable bytes of the device.
@@ -524,11 +610,12 @@ class MemoryModel:
         if not 0 <= margin < 1:
             raise ValueError(f"`margin={margin!r}` is not valid. Expected a fraction in [0, 1).")
         per_token = self.m1
-        if self.m2 > 0:
+        if self.m2 > 0 or self.attention_tokens:
             if min_seq_len is None or min_seq_len < 1:
                 raise ValueError(f"`max_tokens(min_seq_len={min_seq_len!r})`: this model has per-sample memory "
-                                 f"(m2={self.m2:.0f} B); pass the shortest sequence length (>= 1).")
-            per_token += self.m2 / min_seq_len
+                                 f"(m2={self.m2:.0f} B, or joint tokens); pass the shortest sequence length (>= 1).")
+            lengths = np.array([min_seq_len, *(k for k in self.attention_tokens if k >= min_seq_len)], np.float64)
+            per_token = float(np.max((self.m1 * map_tokens(self.attention_tokens, lengths) + self.m2) / lengths))
         budget = math.floor((device_memory * (1.0 - margin) - self.m0) / per_token)
         if oom_tokens is not None and len(oom_tokens):
             budget = min(budget, int(min(oom_tokens)) - 1)
@@ -539,13 +626,17 @@ class MemoryModel:
             )
         return int(budget)
 
-    def to_dict(self) -> dict[str, float]:
+    def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
-        return {"m0": self.m0, "m1": self.m1, "m2": self.m2}
+        out: dict[str, Any] = {"m0": self.m0, "m1": self.m1, "m2": self.m2}
+        if self.attention_tokens:
+            out["attention_tokens"] = {str(k): v for k, v in self.attention_tokens.items()}
+        return out
 
     @classmethod
     def from_dict(cls, data: Any) -> MemoryModel:
         """Inverse of :meth:`to_dict`."""
         if not isinstance(data, dict) or not {"m0", "m1"} <= set(data):
             raise ValueError(f"Not a serialised MemoryModel: {str(data)[:200]!r}. Expected keys m0 and m1.")
-        return cls(float(data["m0"]), float(data["m1"]), float(data.get("m2", 0.0)))  # no m2: older records
+        return cls(float(data["m0"]), float(data["m1"]), float(data.get("m2", 0.0)),  # no m2: older records
+                   _table_from_json(data.get("attention_tokens"), "MemoryModel"))

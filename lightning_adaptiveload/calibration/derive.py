@@ -40,6 +40,7 @@ without recomputation at the largest batches that fit, and only the clips that n
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -55,7 +56,7 @@ from lightning_adaptiveload.bucketing.policy import (
     EqualTokenPolicy,
     TieredPolicy,
 )
-from lightning_adaptiveload.calibration.costmodel import CostModel, MemoryModel
+from lightning_adaptiveload.calibration.costmodel import CostModel, MemoryModel, map_tokens, token_table
 from lightning_adaptiveload.calibration.simulate import simulate
 
 #: Bytes per parameter of optimizer state not yet allocated when profiling: Adam-style optimizers
@@ -99,7 +100,8 @@ def policy_for_budget(
             f"`step_budget_s={step_budget_s!r}` is not valid: it must exceed the fixed step overhead "
             f"a={a:.6g} s of {cost_model}, or no batch fits. Raise the budget."
         )
-    if cost_model.form == "power" and not cost_model.corrections:  # B·S^p <= M_comp cannot hold per-length factors
+    # B·S^p <= M_comp is in video tokens: it cannot hold per-length factors nor the tokens attention sees.
+    if cost_model.form == "power" and not cost_model.corrections and not cost_model.attention_tokens:
         m_comp = (step_budget_s - a) / cost_model.params["b"]
         return DualConstraintPolicy(int(m_mem), m_comp, cost_model.params["p"], oversize=oversize)
     return CostModelPolicy(cost_model, int(m_mem), float(step_budget_s), oversize=oversize)
@@ -127,7 +129,7 @@ def memory_budget(
     """
     oom_tokens = [m.batch_size * m.seq_len for m in measurements if m.status == "oom"]
     if memory_model is not None and device_memory:
-        with_optimizer = MemoryModel(memory_model.m0 + pending_bytes, memory_model.m1, memory_model.m2)
+        with_optimizer = dataclasses.replace(memory_model, m0=memory_model.m0 + pending_bytes)
         shortest = shortest_seq_len or min((m.seq_len for m in measurements), default=1)
         return with_optimizer.max_tokens(device_memory, margin, oom_tokens, min_seq_len=shortest), "memory model"
     ok_tokens = [m.batch_size * m.seq_len for m in measurements if m.status == "ok"]
@@ -244,24 +246,25 @@ def fit_tiers(by_mode: Sequence[tuple[str, Sequence[Any]]], cost_model: CostMode
         scale = float(np.median([m.time_s / float(cost_model.predict(m.batch_size, m.seq_len)) for m in ok]))
         if mode == (base_mode if base_mode is not None else by_mode[0][0]):
             scale = 1.0  # the fit itself
-        tiers.append(ModeTier(mode, int(limit), scale, _tier_memory(ok, base_memory)))
+        tiers.append(ModeTier(mode, int(limit), scale, _tier_memory(ok, base_memory, cost_model.attention_tokens)))
     return tiers
 
 
-def _tier_memory(ok: Sequence[Any], base: MemoryModel | None) -> MemoryModel | None:
+def _tier_memory(ok: Sequence[Any], base: MemoryModel | None, attention_tokens: dict[int, int]) -> MemoryModel | None:
     peaks = [m for m in ok if m.peak_bytes is not None]
     if not peaks:
         return None
     try:
-        return MemoryModel.fit([m.batch_size for m in peaks], [m.seq_len for m in peaks], [m.peak_bytes for m in peaks])
+        return MemoryModel.fit([m.batch_size for m in peaks], [m.seq_len for m in peaks], [m.peak_bytes for m in peaks],
+                               attention_tokens)
     except ValueError:
         pass
     if base is None:
         return None
     # One token count: the weights, gradients and workspace (m0) are the base mode's; the rest is per token.
     top = max(peaks, key=lambda m: m.batch_size * m.seq_len)
-    per_token = (top.peak_bytes - base.m0) / (top.batch_size * top.seq_len)
-    return MemoryModel(base.m0, per_token) if per_token > 0 else None
+    per_token = (top.peak_bytes - base.m0) / (top.batch_size * float(map_tokens(attention_tokens, top.seq_len)))
+    return MemoryModel(base.m0, per_token, attention_tokens=attention_tokens) if per_token > 0 else None
 
 
 def tier_memory_budgets(tiers: Sequence[ModeTier], measurements: Sequence[Any], device_memory: int | None, *,
@@ -541,9 +544,11 @@ POOR_FIT_REL_ERROR = 0.25
 
 
 def fit_models(
-    measurements: Sequence[Any], form: str = "auto", *, fit_memory: bool = True
+    measurements: Sequence[Any], form: str = "auto", *, fit_memory: bool = True, attention_tokens: Any = None
 ) -> tuple[CostModel, MemoryModel | None, list[str]]:
-    """Fit the cost model (and, with peaks, the memory model) to the feasible measurements.
+    """Fit the cost model (and, with peaks, the memory model) to the feasible measurements, both in the tokens
+    attention sees when ``attention_tokens`` (``{S: S_attn}`` or ``S -> S_attn``) is given; the table covers
+    the measured lengths (pass a mapping to cover the corpus's too).
 
     Returns the two models and the warnings to show (a poor fit, no memory model).
 
@@ -558,8 +563,9 @@ def fit_models(
         )
     bs = [m.batch_size for m in ok]
     ss = [m.seq_len for m in ok]
+    table = token_table(attention_tokens, ss)
     try:
-        cost_model = CostModel.fit(bs, ss, [m.time_s for m in ok], form=form)
+        cost_model = CostModel.fit(bs, ss, [m.time_s for m in ok], form=form, attention_tokens=table)
     except ValueError as err:
         raise ValueError(
             f"could not fit the cost model on {len(ok)} feasible shapes: {err} Raise `time_budget_s` or "
@@ -576,7 +582,7 @@ def fit_models(
     peaks = [m.peak_bytes for m in ok]
     if fit_memory and all(p is not None for p in peaks) and len({b * s for b, s in zip(bs, ss, strict=True)}) > 1:
         try:
-            memory_model = MemoryModel.fit(bs, ss, peaks)
+            memory_model = MemoryModel.fit(bs, ss, peaks, table)
         except ValueError as err:
             notes.append(f"no memory model ({err}); M_mem falls back to the largest token count profiled. "
                          "Pass `m_mem` to set it.")

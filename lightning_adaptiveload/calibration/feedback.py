@@ -141,7 +141,8 @@ def _fit_transfer(predicted: np.ndarray, measured: np.ndarray) -> tuple[float, f
 
 def _fit_with_corrections(merged: dict[tuple[int, int, str | None], float],
                           points: dict[tuple[int, int, str | None], Observation], form: str, base_mode: str | None,
-                          tiers: Sequence[derive.ModeTier]) -> tuple[CostModel, dict[str, float]]:
+                          tiers: Sequence[derive.ModeTier],
+                          attention_tokens: dict[int, int] | None = None) -> tuple[CostModel, dict[str, float]]:
     """The form fitted to the base mode's points, the tiers' scales (the median ratio of a tier's points to
     it, as :func:`derive.fit_tiers` has them) and per-length corrections.
 
@@ -158,7 +159,8 @@ def _fit_with_corrections(merged: dict[tuple[int, int, str | None], float],
             used = merged
             base = [(k, t) for k, t in merged.items() if k[2] == base_mode]
         try:
-            fitted = CostModel.fit([k[0] for k, _ in base], [k[1] for k, _ in base], [t for _, t in base], form=form)
+            fitted = CostModel.fit([k[0] for k, _ in base], [k[1] for k, _ in base], [t for _, t in base], form=form,
+                                   attention_tokens=attention_tokens)
         except ValueError as err:
             raise ValueError(f"refit: the corrected points do not fit the {form!r} form ({err})") from err
         scales = {}
@@ -176,7 +178,7 @@ def _fit_with_corrections(merged: dict[tuple[int, int, str | None], float],
             break
         corrected = found
     corrections = {s: ratios[s] for s in sorted(found)}
-    return CostModel(fitted.form, fitted.params, fitted.quality, corrections), scales
+    return CostModel(fitted.form, fitted.params, fitted.quality, corrections, fitted.attention_tokens), scales
 
 
 def refit(cal: record.Calibration, observed: Sequence[Observation], *,
@@ -247,7 +249,8 @@ def refit(cal: record.Calibration, observed: Sequence[Observation], *,
     if tiers and base_mode is None:
         base_mode = tiers[0].mode
     form = cal.cost_model.form
-    cost_model, scales = _fit_with_corrections(merged, points, form, base_mode, tiers or [])
+    cost_model, scales = _fit_with_corrections(merged, points, form, base_mode, tiers or [],
+                                               cal.cost_model.attention_tokens)
 
     extra = dict(cal.extra)
     if tiers:

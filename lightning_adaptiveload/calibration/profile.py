@@ -260,6 +260,7 @@ def profile(
     converge_rel: float = 0.0,
     converge_after: int = 1,
     form: str = "auto",
+    attention_tokens: Callable[[int], int] | None = None,
 ) -> list[Measurement]:
     """Profile ``plan`` (see the module docstring) and return one :class:`Measurement` per shape.
 
@@ -287,6 +288,8 @@ def profile(
         converge_rel: skip the remaining shapes after the first pass once ``converge_after`` in a row
             were predicted within this relative error by the fit (``form``) of the shapes before
             them; 0 profiles every shape.
+        attention_tokens: ``S -> S_attn``, the tokens attention sees (the module's ``attention_tokens``); the
+            fits that cap batches and predict shapes are made in them (``None``: ``S``).
 
     Raises:
         ValueError: bad arguments.
@@ -315,7 +318,7 @@ def profile(
     converged = 0  # later-round shapes in a row that the fit predicted within converge_rel
     for i, shape in enumerate(plan):
         if memory_limit is not None and memory.peak is not None:
-            capped = _cap_batch(shape, out, memory_limit)
+            capped = _cap_batch(shape, out, memory_limit, attention_tokens)
             if capped != shape.batch_size:
                 say(f"shape {i + 1}/{n}: B={shape.batch_size} grid={shape.grid} is predicted above the memory "
                     f"limit; " + (f"B={capped} instead" if capped else "skipped"))
@@ -330,7 +333,7 @@ def profile(
             what = "a shape" if converged == 1 else f"{converged} shapes in a row"
             say(f"the fit predicted {what} within {converge_rel:.0%}; skipping the {n - i} left")
             stopped = True
-        predicted = _predict_next(out, shape, form) if i >= first_pass and converge_rel > 0 else None
+        predicted = _predict_next(out, shape, form, attention_tokens) if i >= first_pass and converge_rel > 0 else None
         b, grid, s = shape.batch_size, shape.grid, shape.seq_len
         elapsed = clock() - start
         if i >= first_pass and coll.broadcast(elapsed >= time_budget_s):
@@ -361,33 +364,37 @@ def profile(
     return out
 
 
-def _predict_next(done: Sequence[Measurement], shape: Shape, form: str) -> float | None:
+def _predict_next(done: Sequence[Measurement], shape: Shape, form: str,
+                  attention_tokens: Callable[[int], int] | None = None) -> float | None:
     """The step time of ``shape`` predicted by the cost model of the shapes measured so far (``None``:
     too few to fit)."""
     import warnings
 
-    from lightning_adaptiveload.calibration.costmodel import CostModel
+    from lightning_adaptiveload.calibration.costmodel import CostModel, token_table
 
     ok = [m for m in done if m.status == "ok"]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "too few points for a held-out comparison": expected here
+            table = token_table(attention_tokens, [*(m.seq_len for m in ok), shape.seq_len])
             model = CostModel.fit([m.batch_size for m in ok], [m.seq_len for m in ok], [m.time_s for m in ok],
-                                  form=form)
+                                  form=form, attention_tokens=table)
     except ValueError:
         return None
     return float(model.predict(shape.batch_size, shape.seq_len))
 
 
-def _cap_batch(shape: Shape, done: Sequence[Measurement], memory_limit: float) -> int:
+def _cap_batch(shape: Shape, done: Sequence[Measurement], memory_limit: float,
+               attention_tokens: Callable[[int], int] | None = None) -> int:
     """``shape``'s batch size, lowered to what the peaks measured so far predict to fit (0: none fits).
 
     Kept as is while no memory model can be fitted (fewer than two token counts measured)."""
-    from lightning_adaptiveload.calibration.costmodel import MemoryModel
+    from lightning_adaptiveload.calibration.costmodel import MemoryModel, token_table
 
     ok = [m for m in done if m.status == "ok" and m.peak_bytes is not None]
     try:
-        model = MemoryModel.fit([m.batch_size for m in ok], [m.seq_len for m in ok], [m.peak_bytes for m in ok])
+        model = MemoryModel.fit([m.batch_size for m in ok], [m.seq_len for m in ok], [m.peak_bytes for m in ok],
+                                token_table(attention_tokens, [*(m.seq_len for m in ok), shape.seq_len]))
     except ValueError:
         return shape.batch_size
     # Never above a batch measured to fit at this length (the fit may undershoot a point).

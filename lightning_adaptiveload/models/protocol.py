@@ -10,7 +10,8 @@ every missing member and how to add it):
 
 ============================  ============================================================
 ``ShapeBenchmarkCallback``    ``compute_loss``, ``synthetic_batch``, ``batch_shape``; optional:
-                              ``calibration_key`` (merged into the cache key), ``checkpointing``,
+                              ``attention_tokens`` (the cost and memory models are fitted in them),
+                              ``calibration_key`` (added to the derived cache key), ``checkpointing``,
                               ``checkpointing_modes``, ``set_checkpointing`` (per-bucket modes)
 ``BalanceMonitor``            ``batch_shape``; ``flops_per_sample`` for MFU (optional)
 ``AdaptiveLoadDataModule``    ``batch_shape`` and ``patch_size`` (first-batch check)
@@ -20,9 +21,10 @@ every missing member and how to add it):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
@@ -31,6 +33,7 @@ __all__ = [
     "REQUIRED_MEMBERS",
     "AdaptiveLoadModule",
     "check_batch_against_plan",
+    "attention_tokens_of",
     "check_module",
     "validate_synthetic_batch",
 ]
@@ -71,13 +74,23 @@ class AdaptiveLoadModule(Protocol):
 
 
 # Optional members, looked up with getattr (a Protocol cannot mark a method optional):
+#     def attention_tokens(self, seq_len: int) -> int
+# The tokens one sample of ``seq_len`` video tokens has in attention: ``seq_len`` plus the text tokens
+# joined to it for an MMDiT (joint attention), ``seq_len`` for a cross-attention model (the default when
+# absent, :func:`attention_tokens_of`). Buckets, policies and the sampler stay keyed by video tokens; the
+# cost and memory models are fitted and evaluated in these, so the policy's batch sizes, the sampler's
+# predicted step costs and the balance report's predicted compute price text tokens too. The text length
+# must be the one every batch has: a model whose captions vary pads them to its stated ``text_len`` (the
+# collate refuses contexts of different lengths in one batch).
 #     def flops_per_sample(self, seq_len: int) -> float
-# Model FLOPs of forward + backward for one sample of ``seq_len`` tokens (recomputation from
-# activation checkpointing not counted), used for MFU.
+# Model FLOPs of forward + backward for one sample of ``seq_len`` video tokens, every token attention
+# sees included (an MMDiT's joint text tokens; recomputation from activation checkpointing not counted),
+# used for MFU.
 #     def calibration_key(self) -> dict
-# Plain JSON values of every setting besides the architecture that changes the timed training step
-# (context length, compile and its options, the activation-checkpointing setting as configured,
-# fused kernels in use, ...). The shape benchmark's calibration key merges it, so a cached or
+# Plain JSON values of settings the derived key cannot see that change the timed training step (fused
+# kernels in use, ...). The shape benchmark derives the key from the module's hyperparameters, its
+# model's config, the shapes of its synthetic batch and the checkpointing state
+# (``lightning_adaptiveload.callbacks._trainee.calibration_key``) and adds this to it, so a cached or
 # checkpointed calibration made under other values is profiled again.
 #     checkpointing: str; checkpointing_modes: tuple[str, ...]; def set_checkpointing(self, mode: str) -> None
 # Activation checkpointing chosen by the shape benchmark: ``checkpointing`` is ``"auto"`` until a mode
@@ -85,7 +98,7 @@ class AdaptiveLoadModule(Protocol):
 # is called before every training batch with the bucket's mode, so it must be cheap.
 
 REQUIRED_MEMBERS: tuple[str, ...] = ("compute_loss", "synthetic_batch", "batch_shape", "patch_size")
-OPTIONAL_MEMBERS: tuple[str, ...] = ("flops_per_sample", "calibration_key")
+OPTIONAL_MEMBERS: tuple[str, ...] = ("attention_tokens", "flops_per_sample", "calibration_key")
 
 _HOW_TO = {
     "compute_loss": "def compute_loss(self, batch) -> Tensor: return the scalar training loss of `batch` "
@@ -100,7 +113,44 @@ _HOW_TO = {
     "backward for one sample of `seq_len` tokens",
     "calibration_key": "def calibration_key(self) -> dict: return plain JSON values of the settings (besides the "
     "architecture) that change the timed training step",
+    "attention_tokens": "def attention_tokens(self, seq_len) -> int: return the tokens one sample of `seq_len` video "
+    "tokens has in attention (seq_len + text_len for joint attention)",
 }
+
+
+def attention_tokens_of(module: Any) -> Callable[[int], int]:
+    """``S -> S_attn``: ``module.attention_tokens`` checked (an integer >= S), or the identity when the module
+    has none (cross-attention: attention sees the video tokens). Every consumer takes it from here, so the
+    default is one.
+
+    Raises:
+        MisconfigurationException: (when called) ``attention_tokens(S)`` returned something else than an
+            integer >= S.
+    """
+    own = getattr(module, "attention_tokens", None)
+    if own is None:
+        return _identity
+    if not callable(own):
+        raise MisconfigurationException(
+            f"`{type(module).__name__}.attention_tokens` is a {type(own).__name__}, not a method. Fix: "
+            f"{_HOW_TO['attention_tokens']}."
+        )
+    cls = type(module).__name__
+
+    def checked(seq_len: int) -> int:
+        value = own(int(seq_len))
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < seq_len:
+            raise MisconfigurationException(
+                f"`{cls}.attention_tokens({int(seq_len)})` returned {value!r}; expected an integer >= {int(seq_len)} "
+                "(the video tokens plus any text tokens joined to them in attention)."
+            )
+        return int(value)
+
+    return checked
+
+
+def _identity(seq_len: int) -> int:
+    return int(seq_len)
 
 
 def _problem(module: Any, name: str) -> str | None:
