@@ -5,6 +5,8 @@ sampler settings, the checkpointing modes applied to the module). Private to
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import platform
 from collections.abc import Iterator
@@ -24,7 +26,7 @@ from lightning_adaptiveload.calibration import derive, record
 from lightning_adaptiveload.calibration.calibrate import ProfileSettings, Trainee
 from lightning_adaptiveload.calibration.profile import MemoryProbe, plan_grid
 from lightning_adaptiveload.models.compiling import compile_seconds
-from lightning_adaptiveload.models.protocol import check_module
+from lightning_adaptiveload.models.protocol import attention_tokens_of, check_module
 
 
 class _StrategyCollectives:
@@ -76,18 +78,85 @@ def lightning_trainee(trainer: Trainer, pl_module: LightningModule, auto_checkpo
         on_oom=torch.cuda.empty_cache if cuda else None,
         compile_clock=compile_seconds if _uses_compile(pl_module) else None,
         isolation=lambda: _no_trace(trainer, pl_module), device_name=_device_name(device),
-        world_size=int(trainer.world_size))
+        world_size=int(trainer.world_size), attention_tokens=attention_tokens_of(pl_module))
+
+
+#: Hyperparameters that change the optimizer step, the loss or the weights' values but not the cost of the
+#: profiled forward + backward, so the calibration key leaves them out (a calibration is reused across them),
+#: as it leaves out every name ending in :data:`KEY_EXCLUDED_SUFFIXES` (where files are read or written).
+#: Every other hyperparameter is in the key: one the rule does not know re-profiles rather than reuses.
+KEY_EXCLUDED_HPARAMS = frozenset({
+    "lr", "learning_rate", "betas", "beta1", "beta2", "eps", "weight_decay", "momentum", "warmup_steps",
+    "optimizer_impl", "scheduler", "max_grad_norm", "ema_decay", "seed", "timestep_shift", "num_train_timesteps",
+    "pretrained",
+})
+KEY_EXCLUDED_SUFFIXES = ("_dir", "_path", "_file")
+#: A hyperparameter value longer than this (in JSON) is kept in the key as its hash.
+_KEY_VALUE_CHARS = 200
+
+
+def _plain(value: Any) -> Any:
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
+def _hparams_key(pl_module: LightningModule) -> dict[str, Any]:
+    hparams = getattr(pl_module, "hparams", None) or {}
+    out = {}
+    for name in sorted(hparams):
+        if name in KEY_EXCLUDED_HPARAMS or str(name).endswith(KEY_EXCLUDED_SUFFIXES):
+            continue
+        value = _plain(hparams[name])
+        text = json.dumps(value, sort_keys=True)
+        out[name] = value if len(text) <= _KEY_VALUE_CHARS else "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+    return out
+
+
+def _batch_key(pl_module: LightningModule, grids: np.ndarray) -> dict[str, Any]:
+    """Shape (less the batch dimension) and dtype of every tensor of a one-sample synthetic batch of the corpus's
+    shortest grid; the latents give their channels and dtype only (their grid is the bucket's)."""
+    keys = getattr(pl_module, "batch_keys", None)
+    latents_key = keys.get("latents", "latents") if isinstance(keys, dict) else "latents"
+    grid = tuple(int(v) for v in grids[int(np.argmin(grids.prod(axis=1)))])
+    with isolate_rng():  # a module whose synthetic_batch draws from the global RNG must not shift training's
+        batch = pl_module.synthetic_batch(1, grid, torch.device("cpu"))
+    if not isinstance(batch, dict):
+        return {}
+    out: dict[str, Any] = {}
+    for name in sorted(batch, key=str):
+        value = batch[name]
+        if not isinstance(value, torch.Tensor):
+            continue
+        shape = list(value.shape[1:])
+        out[str(name)] = [shape[:1] if name == latents_key else shape, str(value.dtype)]
+    return out
 
 
 def calibration_key(trainer: Trainer, pl_module: LightningModule, st: ProfileSettings, grids: np.ndarray,
                     profile_version: int) -> dict[str, Any]:
-    """What determines a step's cost (the cache and checkpoint key; see the callback's docstring)."""
+    """What determines a step's cost: the cache and checkpoint key, derived rather than hand-written.
+
+    From the module: its architecture (:func:`~lightning_adaptiveload.calibration.record.model_fingerprint`:
+    the model's ``config`` or every parameter's shape), its hyperparameters (``module.hparams``) except those
+    in :data:`KEY_EXCLUDED_HPARAMS` (optimizer, schedule, seed, loss weighting, weight source: they do not
+    change the profiled forward + backward) or named ``*_dir``, ``*_path``, ``*_file``, the shape and dtype of every tensor of its ``synthetic_batch``
+    (the context's length and width, a mask, a pooled embedding; the latents' channels), the tokens its
+    attention sees at every corpus length (when not the video tokens), and its activation-checkpointing state;
+    the module's own ``calibration_key()`` is added under ``"module"``. From the run: device, precision,
+    strategy kind, the profiled grid and settings, every corpus length, the profiler's version. The world size
+    and the DataModule's loader settings (workers, pinning) are not in it.
+    """
     seq = grids.prod(axis=1)
     corpus = grids if st.m_mem is None else grids[seq <= st.m_mem]
     plan = plan_grid(corpus, st.batch_sizes, st.max_shapes, max_tokens=st.m_mem) if len(corpus) else []
     own = getattr(pl_module, "calibration_key", None)
+    attention = attention_tokens_of(pl_module)
+    lengths = sorted({int(v) for v in seq})
+    joint = {s: attention(s) for s in lengths}
     return {
         "model": record.model_fingerprint(pl_module),
+        "hparams": _hparams_key(pl_module),
+        "batch": _batch_key(pl_module, grids),
+        **({"attention_tokens": [[s, a] for s, a in joint.items()]} if any(a != s for s, a in joint.items()) else {}),
         "device": _device_name(trainer.strategy.root_device),
         "precision": str(trainer.precision),
         "strategy": _strategy_kind(trainer.strategy),

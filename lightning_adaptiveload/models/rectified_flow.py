@@ -9,6 +9,11 @@ protocol, ``calibration_key``), the data checks made before the shape benchmark 
 its clipping (:mod:`lightning_adaptiveload.models.optim`).
 
 A subclass builds its model in ``configure_model`` and provides the few members marked "subclass" below.
+An own model (one that is not a Wan DiT) needs only its ``forward(x_t, t, context)``, its ``patch_size`` and,
+for joint attention, ``attention_tokens``: without a :attr:`RectifiedFlowModule.wan_config`, synthetic batches
+copy the keys, shapes and dtypes of one real sample (:meth:`RectifiedFlowModule.set_example`, called in
+``setup``), the context length is the hyperparameter ``text_len`` (or that sample's), and every training
+argument has a default (:data:`DEFAULTS`). ``docs/your_own_model.md`` shows one.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from lightning_adaptiveload.models.wan import (
 )
 
 __all__ = [
+    "DEFAULTS",
     "ON_NONFINITE_LOSS",
     "OUTSIDE_STREAM",
     "TRAIN_STREAM",
@@ -64,6 +70,11 @@ ON_NONFINITE_LOSS = ("error", "skip", "off")
 MAX_NAMED = 5
 #: How many samples of a batch a message names.
 _SAMPLES_SHOWN = 8
+#: The training arguments of a module that does not save them as hyperparameters (an own model's defaults).
+DEFAULTS: dict[str, Any] = {
+    "lr": 1e-4, "weight_decay": 0.0, "betas": (0.9, 0.999), "eps": 1e-8, "warmup_steps": 0, "timestep_shift": 1.0,
+    "num_train_timesteps": 1000, "activation_checkpointing": False,
+}
 
 
 def draw_seed(seed: int, step: int, rank: int, micro_batch: int = 0, stream: int = TRAIN_STREAM) -> int:
@@ -232,17 +243,35 @@ class RectifiedFlowModule(pl.LightningModule):
     # ------------------------------------------------------------------ subclass
     @property
     def wan_config(self) -> WanConfig:
-        """Subclass: the model's architecture as a :class:`WanConfig` (``text_len`` = the context length
-        the model computes with); synthetic batches and the FLOP count are built from it."""
+        """Subclass (Wan DiTs): the model's architecture as a :class:`WanConfig` (``text_len`` = the context length
+        the model computes with); synthetic batches and the FLOP count are built from it. An own model leaves it
+        out (see the module docstring)."""
         raise NotImplementedError
 
+    @property
+    def _is_wan(self) -> bool:
+        return type(self).wan_config is not RectifiedFlowModule.wan_config
+
     def _built_model(self) -> nn.Module | None:
-        """Subclass: the model once ``configure_model`` has built it, else ``None``."""
-        raise NotImplementedError
+        """Subclass: the model once ``configure_model`` has built it, else ``None``. Default: the module itself
+        (an own model's layers are its submodules)."""
+        return self
 
     def _set_block_checkpointing(self, mode: str) -> None:
         """Subclass: make every block of the built model recompute as ``mode`` says (cheap: called per batch)."""
-        raise NotImplementedError
+        raise NotImplementedError(
+            f"`{type(self).__name__}` has no activation-checkpointing switch: override `_set_block_checkpointing(mode)` "
+            "and `checkpointing_modes`, or leave `activation_checkpointing` off."
+        )
+
+    def attention_tokens(self, seq_len: int) -> int:
+        """Tokens one sample of ``seq_len`` video tokens has in attention: ``seq_len`` (Wan attends to its text by
+        cross-attention). A joint-attention (MMDiT) subclass returns ``seq_len + text_len``."""
+        return int(seq_len)
+
+    def _hp(self, name: str) -> Any:
+        """The hyperparameter ``name``, or its default (:data:`DEFAULTS`) when the module did not save it."""
+        return self.hparams.get(name, DEFAULTS[name])
 
     def _fused_adaln_sites(self) -> int:
         """Subclass: how many AdaLN sites of the built model run through the fused op."""
@@ -250,9 +279,49 @@ class RectifiedFlowModule(pl.LightningModule):
 
     def _context_problem(self, length: int) -> str | None:
         """Why contexts of ``length`` tokens do not fit the model (``None`` if they do). Here: any length
-        but ``wan_config.text_len``, the length profiling and the FLOP count assume."""
-        text_len = self.wan_config.text_len
+        but the stated text length (:meth:`_text_shape`), the length profiling and the FLOP count assume."""
+        text_len = self._text_shape()[0]
         return None if length == text_len else f"the model is set up for text_len={text_len}"
+
+    def _text_shape(self) -> tuple[int, int]:
+        """``(text_len, text_dim)`` every context must have: the Wan config's, or an own model's hyperparameter
+        ``text_len`` (else the example sample's length) and the example's width."""
+        if self._is_wan:
+            cfg = self.wan_config
+            return cfg.text_len, cfg.text_dim
+        shape = self._example_spec(self.batch_keys["context"])[0]
+        if len(shape) < 2:
+            raise MisconfigurationException(
+                f"`{type(self).__name__}`: the example's context has shape {shape}; expected [L, text_dim]."
+            )
+        stated = self.hparams.get("text_len", getattr(self, "text_len", None))
+        return (int(shape[-2]) if stated is None else int(stated)), int(shape[-1])
+
+    def set_example(self, sample: Mapping[str, Any]) -> None:
+        """Remember the keys, shapes (less the batch dimension) and dtypes of one real (collated) sample:
+        :meth:`synthetic_batch` of an own model builds batches like it (``setup`` calls this with the
+        DataModule's first sample; call it yourself to profile or check outside ``Trainer.fit``)."""
+        if not isinstance(sample, Mapping) or self.batch_keys["latents"] not in sample:
+            raise ValueError(
+                f"`{type(self).__name__}.set_example(sample)` needs a mapping with {self.batch_keys['latents']!r}; "
+                f"got {sorted(sample) if isinstance(sample, Mapping) else type(sample).__name__}."
+            )
+        self._example = {k: (tuple(v.shape[1:]), v.dtype) for k, v in sample.items() if isinstance(v, torch.Tensor)}
+
+    def _example_spec(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
+        spec = getattr(self, "_example", None)
+        if spec is None:
+            raise MisconfigurationException(
+                f"`{type(self).__name__}` has no example sample to build synthetic batches from. It is read from the "
+                "DataModule's dataset in `setup` (Trainer.fit); outside fit call `module.set_example(collate_batch("
+                "[dataset[0]]))` first, or define `wan_config`."
+            )
+        if key not in spec:
+            raise MisconfigurationException(
+                f"`{type(self).__name__}`: the example sample has no tensor {key!r}; it has {sorted(spec)}. "
+                f"{self._keys_fix()}"
+            )
+        return spec[key]
 
     # ------------------------------------------------------------------ model
     def _require_model(self) -> nn.Module:
@@ -270,7 +339,7 @@ class RectifiedFlowModule(pl.LightningModule):
         """The activation-checkpointing mode in use, or ``"auto"`` while it is still to be chosen."""
         if self._checkpointing_mode is not None:
             return self._checkpointing_mode
-        setting = self.hparams.activation_checkpointing
+        setting = self._hp("activation_checkpointing")
         return "auto" if setting == "auto" else checkpointing_mode(setting)
 
     def _initial_checkpointing(self) -> str:
@@ -308,22 +377,13 @@ class RectifiedFlowModule(pl.LightningModule):
             self.set_checkpointing("full")
 
     def calibration_key(self) -> dict[str, Any]:
-        """Plain JSON values of every setting besides the architecture that changes the timed training step.
+        """What the derived calibration key cannot see: the number of AdaLN sites fused by ``FusedAdaLNCallback``.
 
-        The shape benchmark's calibration key merges this dict, so a calibration profiled under other
-        values is profiled again: the context length, the activation-checkpointing setting as configured
-        (``"auto"`` or the fixed mode; an ``"auto"`` calibration records the mode it chose), ``compile``
-        and its inductor options, and the number of AdaLN sites fused by ``FusedAdaLNCallback``.
+        The shape benchmark derives the rest (``lightning_adaptiveload.callbacks._trainee.calibration_key``):
+        the context length from :meth:`synthetic_batch`, ``activation_checkpointing``, ``compile`` and its
+        options from the hyperparameters, the architecture from the model's config.
         """
-        hp = self.hparams
-        setting = hp.activation_checkpointing
-        return _plain({
-            "text_len": self.wan_config.text_len,
-            "activation_checkpointing": "auto" if setting == "auto" else checkpointing_mode(setting),
-            "compile": bool(hp.get("compile", False)),
-            "compile_options": hp.get("compile_options") or None,
-            "fused_adaln_sites": self._fused_adaln_sites(),
-        })
+        return _plain({"fused_adaln_sites": self._fused_adaln_sites()})
 
     # ------------------------------------------------------------------ batches
     def _get(self, batch: Any, name: str, where: str = "a batch") -> torch.Tensor:
@@ -342,23 +402,24 @@ class RectifiedFlowModule(pl.LightningModule):
 
     def _check_context(self, context: torch.Tensor, where: str) -> int:
         """The context's length L; an error naming ``where``, L and the model's setting if it does not fit."""
-        cls, cfg = type(self).__name__, self.wan_config
-        if context.ndim < 2 or context.shape[-1] != cfg.text_dim:
+        cls = type(self).__name__
+        text_len, text_dim = self._text_shape()
+        if context.ndim < 2 or context.shape[-1] != text_dim:
             raise MisconfigurationException(
                 f"`{cls}`: the context of {where} has shape {list(context.shape)}; expected [..., L, "
-                f"text_dim={cfg.text_dim}] (the model's text_dim)."
+                f"text_dim={text_dim}] (the model's text_dim)."
             )
         length = int(context.shape[-2])
         problem = self._context_problem(length)
         if problem is not None:
             raise MisconfigurationException(
                 f"`{cls}`: the context of {where} has L={length} tokens, but {problem}; the shape benchmark "
-                f"and the FLOP count would time and count {cfg.text_len}. {self._text_len_fix(length)}"
+                f"and the FLOP count would time and count {text_len}. {self._text_len_fix(length)}"
             )
         return length
 
     def _text_len_fix(self, length: int) -> str:
-        return f"Pad or truncate the contexts to {self.wan_config.text_len} tokens in the dataset."
+        return f"Pad or truncate the contexts to {self._text_shape()[0]} tokens in the dataset."
 
     def check_batch(self, batch: Any, where: str = "a training batch") -> None:
         """Check a collated batch: the latents and context keys, and the context's length and width.
@@ -393,6 +454,10 @@ class RectifiedFlowModule(pl.LightningModule):
             sample = dataset[i]
             batch = collate([sample]) if collate is not None else sample
             where = f"dataset[{i}]" + ("" if collate is None else " (collated)")
+            if not self._is_wan and getattr(self, "_example", None) is None:
+                self._get(batch, "latents", where)
+                self.set_example(batch if collate is not None else {k: v.unsqueeze(0) if isinstance(
+                    v, torch.Tensor) else v for k, v in batch.items()})
             self._get(batch, "latents", where)
             contexts.append((i, where, self._get(batch, "context", where)))
         lengths: dict[int, list[int]] = {}
@@ -404,7 +469,7 @@ class RectifiedFlowModule(pl.LightningModule):
             found = "; ".join(f"L={length} at dataset{idx}" for length, idx in lengths.items())
             raise MisconfigurationException(
                 f"`{type(self).__name__}`: the dataset's contexts have different lengths ({found}); the default "
-                f"collate stacks contexts of one length. Pad every context to text_len={self.wan_config.text_len} "
+                f"collate stacks contexts of one length. Pad every context to text_len={self._text_shape()[0]} "
                 "in the dataset (as ManifestDataset and ShardedLatentDataset do), or pass "
                 "`AdaptiveLoadDataModule(collate_fn=...)` that pads them."
             )
@@ -448,8 +513,10 @@ class RectifiedFlowModule(pl.LightningModule):
                              "Expected a positive integer.")
         device = self.device if device is None else torch.device(device)
         gen = torch.Generator(device=device).manual_seed(seed)
-        cfg = self.wan_config
         shape = latent_of_grid(grid, self.patch_size)
+        if not self._is_wan:
+            return self._synthetic_from_example(batch_size, shape, device, gen)
+        cfg = self.wan_config
         return {
             self.batch_keys["latents"]: torch.randn(batch_size, cfg.in_dim, *shape, device=device, generator=gen),
             self.batch_keys["context"]: torch.randn(batch_size, cfg.text_len, cfg.text_dim, device=device,
@@ -457,14 +524,62 @@ class RectifiedFlowModule(pl.LightningModule):
             "index": torch.full((batch_size,), -1, dtype=torch.long, device=device),
         }
 
+    def _synthetic_from_example(self, batch_size: int, latent_shape: Sequence[int], device: torch.device,
+                                gen: torch.Generator) -> dict[str, Any]:
+        """A batch keyed, shaped and typed like the example sample (:meth:`set_example`): float tensors normal,
+        integer and boolean ones (masks) ones, the latents of ``latent_shape``, ``index`` -1."""
+        latents_key = self.batch_keys["latents"]
+        self._example_spec(latents_key)  # raises without an example
+        out: dict[str, Any] = {}
+        for key, (shape, dtype) in self._example.items():
+            if key == latents_key:
+                shape = (shape[0], *latent_shape)
+            if key == "index":
+                out[key] = torch.full((batch_size,), -1, dtype=torch.long, device=device)
+            elif dtype.is_floating_point:
+                out[key] = torch.randn(batch_size, *shape, device=device, generator=gen).to(dtype)
+            else:
+                out[key] = torch.ones(batch_size, *shape, dtype=dtype, device=device)
+        return out
+
     def flops_per_sample(self, seq_len: int) -> float:
-        """Model FLOPs of forward + backward for one sample of ``seq_len`` tokens: 3 × the forward.
+        """Model FLOPs of forward + backward for one sample of ``seq_len`` video tokens: 3 × the forward.
 
         The forward is :func:`~lightning_adaptiveload.models.wan.wan_forward_flops` of :attr:`wan_config`
         (every matmul, attention included); backward counts as twice the forward, the usual model-FLOPs
-        convention. Recomputation under activation checkpointing is not counted.
+        convention. Recomputation under activation checkpointing is not counted. An own model's forward is
+        counted by ``torch.utils.flop_counter`` on fake tensors (no compute, no memory; once per length) of one
+        sample of token grid ``(1, 1, seq_len)`` and the example's context, so joint attention is counted over
+        every token it sees; 0 (no MFU, with one warning) if the forward cannot run on fake tensors.
         """
-        return 3.0 * wan_forward_flops(self.wan_config, seq_len)
+        if self._is_wan:
+            return 3.0 * wan_forward_flops(self.wan_config, seq_len)
+        cache = self.__dict__.setdefault("_flops_cache", {})
+        if cache.get("uncountable"):
+            return 0.0
+        if seq_len not in cache:
+            cache[seq_len] = 3.0 * self._counted_forward_flops(int(seq_len))
+        return cache[seq_len]
+
+    def _counted_forward_flops(self, seq_len: int) -> float:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.utils.flop_counter import FlopCounterMode
+
+        latents_key, context_key = self.batch_keys["latents"], self.batch_keys["context"]
+        (channels, *_), dtype = self._example_spec(latents_key)
+        context_shape, context_dtype = self._example_spec(context_key)
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True), FlopCounterMode(display=False) as counter:
+                x = torch.empty(1, channels, *latent_of_grid((1, 1, seq_len), self.patch_size), dtype=dtype,
+                                device=self.device)
+                t = torch.empty(1, device=self.device)
+                self(x, t, torch.empty(1, *context_shape, dtype=context_dtype, device=self.device))
+        except Exception as err:  # an op without a fake kernel, a sharded or compiled model
+            rank_zero_warn(f"`{type(self).__name__}.flops_per_sample`: the forward could not be counted on fake "
+                           f"tensors ({type(err).__name__}: {err}); no MFU. Override `flops_per_sample(seq_len)`.")
+            self.__dict__["_flops_cache"]["uncountable"] = True
+            return 0.0
+        return float(counter.get_total_flops())
 
     # ------------------------------------------------------------------ draws and loss
     @property
@@ -553,11 +668,11 @@ class RectifiedFlowModule(pl.LightningModule):
             rank = None if group is None else group.first_rank
             generator = self.noise_generator(latents.device, rank=rank, stream=OUTSIDE_STREAM)
         predict = self if group is None else functools.partial(self, sequence_parallel=group)
-        hp = self.hparams
         inputs = {"latents": latents, "context": context}
         if isinstance(batch, Mapping) and batch.get(SAMPLE_WEIGHT_KEY) is not None:
             inputs[SAMPLE_WEIGHT_KEY] = batch[SAMPLE_WEIGHT_KEY]
-        return rectified_flow_loss(predict, inputs, hp.timestep_shift, hp.num_train_timesteps, generator)
+        return rectified_flow_loss(predict, inputs, self._hp("timestep_shift"), self._hp("num_train_timesteps"),
+                                   generator)
 
     # ------------------------------------------------------------------ training
     @override
@@ -698,8 +813,9 @@ class RectifiedFlowModule(pl.LightningModule):
         learning-rate warmup over ``warmup_steps`` optimizer steps when that is > 0."""
         hp = self.hparams
         optimizer = adamw(self, (p for p in self.parameters() if p.requires_grad), hp.get("optimizer_impl", "auto"),
-                          lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, weight_decay=hp.weight_decay)
-        warmup = int(hp.get("warmup_steps", 0))
+                          lr=self._hp("lr"), betas=tuple(self._hp("betas")), eps=self._hp("eps"),
+                          weight_decay=self._hp("weight_decay"))
+        warmup = int(self._hp("warmup_steps"))
         if warmup == 0:
             return optimizer
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(_linear_warmup, warmup_steps=warmup))

@@ -635,34 +635,32 @@ def test_batch_keys_are_configurable_and_other_keys_are_refused_before_profiling
 def test_calibration_key_changes_with_every_setting_that_changes_the_timed_step():
     import json
 
+    import numpy as np
+    from lightning.pytorch import Trainer
+
+    from lightning_adaptiveload.calibration.calibrate import ProfileSettings
+    from lightning_adaptiveload.callbacks._trainee import calibration_key
+
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+
     def key(**kwargs):
-        return DiffusersWanModule(dict(TINY), **{"text_len": 3, **kwargs}).calibration_key()
+        module = DiffusersWanModule(dict(TINY), **{"text_len": 3, **kwargs})
+        return calibration_key(trainer, module, ProfileSettings(), np.array([(1, 2, 2), (1, 2, 4)]), 3)
 
     base = key()
     assert json.loads(json.dumps(base)) == base  # plain JSON values
-    changes = {
-        "text_len": {"text_len": 4},
-        "compile": {"compile": True},
-        "compile_options": {"compile": True, "compile_options": {"max_autotune": True}},
-        "activation_checkpointing": {"activation_checkpointing": "selective"},
-    }
-    for field, kwargs in changes.items():
-        other = key(**kwargs)
-        assert other[field] != base[field], field
-    assert key(compile=True)["compile_options"] != key(compile=True, compile_options={"max_autotune": True})[
-        "compile_options"]
-    assert key(activation_checkpointing="auto")["activation_checkpointing"] == "auto"
-    assert key(activation_checkpointing=True)["activation_checkpointing"] == "full"
+    changes = [{"text_len": 4}, {"compile": True}, {"compile": True, "compile_options": {"max_autotune": True}},
+               {"activation_checkpointing": "selective"}, {"activation_checkpointing": "auto"}]
+    keys = [key(**kwargs) for kwargs in changes]
+    assert all(k != base for k in keys) and len({json.dumps(k, sort_keys=True) for k in keys}) == len(keys)
+    assert key(text_len=4)["batch"]["context"] != base["batch"]["context"]
     # Settings that do not change the timed step leave it alone.
     assert key(lr=1e-2, seed=3, timestep_shift=1.0, optimizer_impl="foreach") == base
-    # The fused AdaLN patch (FusedAdaLNCallback) changes the step.
+    # The fused AdaLN patch (FusedAdaLNCallback) changes the step: the module adds it to the derived key.
     module = DiffusersWanModule(_tiny(), text_len=3, activation_checkpointing="auto")
     unfused = module.calibration_key()
     patch_wan_transformer(module)
     assert module.calibration_key()["fused_adaln_sites"] == SITES != unfused["fused_adaln_sites"]
-    # The mode chosen at run time is not a setting: "auto" stays "auto".
-    module.set_checkpointing("none")
-    assert module.calibration_key()["activation_checkpointing"] == "auto"
 
 
 def test_from_pretrained_works_with_the_diffusers_extra(tmp_path):
