@@ -34,6 +34,7 @@ import datetime
 import json
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -249,7 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     out = Path(args.out)
-    out_dir = out.parent / (out.stem + "_runs")
+    # Lightning's run folders and the shared calibration are raw output: a temporary folder, not benchmarks/results/.
+    out_dir = Path(tempfile.mkdtemp(prefix=f"adaptiveload_{out.stem}_runs_"))
+    print(f"run folders (logs, checkpoints): {out_dir}", flush=True)
     names = [c for c in CONFIGS if c in args.configs.split(",")]
     m_mem = args.m_mem or None
     calibration = args.calibration

@@ -28,6 +28,7 @@ import math
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,7 @@ class _StepTimer:
                 self.rows: list[dict[str, Any]] = []
                 self.losses: list[float] = []
                 self.prof = None
+                self.trace: dict[str, Any] | None = None
 
             def _sync(self, pl_module):
                 if pl_module.device.type == "cuda":
@@ -155,14 +157,15 @@ class _StepTimer:
                     self._sync(pl_module)
                     wall = time.perf_counter() - self._trace_t0
                     self.prof.stop()
-                    _write_trace(self.prof, wall, self.rows[self._trace_rows:], trace_out)
+                    self.trace = _write_trace(self.prof, wall, self.rows[self._trace_rows:], trace_out)
 
 
         return StepTimer()
 
 
-def _write_trace(prof, wall: float, rows: list[dict[str, Any]], out: Path) -> None:
-    """Host vs device time of the traced steps, and the top operators by each."""
+def _write_trace(prof, wall: float, rows: list[dict[str, Any]], out: Path) -> dict[str, Any]:
+    """Host vs device time of the traced steps, and the top operators by each: the profiler's tables go to
+    ``out`` (a temporary folder), the summary (wall, device busy, top 30 by device time) into the record."""
     import torch
 
     events = prof.key_averages()
@@ -176,6 +179,11 @@ def _write_trace(prof, wall: float, rows: list[dict[str, Any]], out: Path) -> No
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines))
     print("\n".join(lines[:2]), f"-> {out}", flush=True)
+    top = sorted(events, key=lambda e: -e.self_device_time_total)[:30]
+    return {"steps": [f"{r['batch_size']}x{r['seq_len']}" for r in rows], "wall_ms": wall * 1e3,
+            "device_busy_ms": device_us / 1e3,
+            "top_by_self_device_time": [{"name": e.key[:120], "self_device_ms": e.self_device_time_total / 1e3,
+                                         "calls": e.count} for e in top if e.self_device_time_total > 0]}  # fmt: skip
 
 
 def _overrides(args: argparse.Namespace, setting: str, shapes, steps: int, blocks: int, out_dir: Path) -> list[str]:
@@ -210,7 +218,7 @@ def _fit(args, setting, shapes, steps, blocks, out_dir) -> tuple[Any, Any, float
     run = build(cfg)
     trace = getattr(args, "trace_steps", 0)
     timer = _StepTimer(args.peak_tflops, steps - trace if trace else None,
-                       Path(args.out).with_name(f"{Path(args.out).stem}_trace_{setting}.txt"))
+                       Path(out_dir) / f"{Path(args.out).stem}_trace_{setting}.txt")
     run.trainer.callbacks.append(timer)
     t0 = time.perf_counter()
     run.trainer.fit(run.module, datamodule=run.datamodule)
@@ -251,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
 
     shapes = _parse_shapes(args.shapes)
     out = Path(args.out)
-    out_dir = out.parent / (out.stem + "_runs")
+    # Lightning's run folders and the profiler tables are raw output: a temporary folder, not benchmarks/results/.
+    out_dir = Path(tempfile.mkdtemp(prefix=f"adaptiveload_{out.stem}_runs_"))
+    print(f"run folders (logs, checkpoints): {out_dir}", flush=True)
     steps = args.warmup + args.steps * len(shapes) + 2 * len(shapes)  # room for compile steps
     result: dict[str, Any] = {
         "meta": {
@@ -280,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
             run, timer, wall = _fit(args, setting, shapes, steps, args.blocks, out_dir)
             entry.update(per_shape=_per_shape(timer.rows, args.warmup, shapes, args.peak_tflops), wall_s=wall, rows=timer.rows,
                          compile_s=sum(r["compile_s"] for r in timer.rows))
+            if timer.trace is not None:
+                entry["trace"] = timer.trace
             del run
         except Exception as err:  # noqa: BLE001 - a failing setting (e.g. out of memory) must not lose the rest
             import traceback
