@@ -1,8 +1,8 @@
-"""Every measured number in README.md, docs/benchmarks.md and examples/ comes from benchmarks/results/.
+"""Every measured number in README.md, docs/ and examples/ comes from benchmarks/results/.
 
 The README's measured table and the tables of docs/benchmarks.md are generated (benchmarks/render_tables.py)
 and must equal what it renders now; the figures the prose cites are checked against the records by name
-(``render_tables.figures()``); and every tokens/s or MFU figure these pages print must be a value some
+(``render_tables.figures()``); and every tokens/s or MFU figure of these pages must be a value some
 result record holds, so a number typed in by hand or left behind by a newer run fails here."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from benchmark_scripts import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-PAGES = ["README.md", "docs/benchmarks.md", "examples/README.md", *sorted(
-    p.relative_to(ROOT).as_posix() for p in (ROOT / "examples").glob("*/README.md"))]  # fmt: skip
+PAGES = ["README.md", "examples/README.md", *sorted(
+    p.relative_to(ROOT).as_posix() for p in [*(ROOT / "docs").glob("*.md"), *(ROOT / "examples").glob("*/README.md")])]
 
 # (page, text with {figure} names): the rendered text must be on the page (whitespace-insensitive).
 CLAIMS = [
