@@ -435,11 +435,43 @@ def set_block_checkpointing(model: nn.Module, mode: str, block_classes: Sequence
     return count
 
 
-def _mark_block_inputs(block: nn.Module, args: tuple[Any, ...]) -> None:
-    """Pre-hook of a compiled non-Wan block: the batch and sequence dims of ``hidden_states`` [B, S, D] (its
-    first positional argument, when it is called with one) symbolic from the first graph on."""
-    if args and isinstance(args[0], torch.Tensor) and args[0].ndim == 3:
-        mark_dynamic(args[0], 0, 1)
+def _mark_block_inputs(block: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """Pre-hook of a compiled non-Wan block called with ``hidden_states`` [B, S, D] first (HunyuanVideo's blocks;
+    blocks called with keywords get dynamo's automatic dynamic shapes): B and S symbolic from the first graph
+    on, in it and in the other tensor arguments (the batch dim of [B, ...] tensors and their first other dim when
+    it has S entries, RoPE tables [S, d], or S + L, a joint attention mask [B, 1, 1, S + L]), so a new bucket
+    does not compile another graph.
+
+    It also hands the block tensors that are not views: dynamo guards on a view's base, whose shape is the
+    latents' [B, C, F, H, W] for the first block's input (a transpose of the patch embedding), so a new frame
+    count compiled another graph. Views that need no gradient are detached (same storage); the first block's
+    input is copied once a step.
+    """
+    if not args or not isinstance(args[0], torch.Tensor) or args[0].ndim != 3:
+        return None
+    hidden = args[0].clone() if args[0]._base is not None else args[0]
+    b, s = hidden.shape[:2]
+    mark_dynamic(hidden, 0, 1)
+    sizes = {s}
+    if len(args) > 1 and isinstance(args[1], torch.Tensor) and args[1].ndim == 3:
+        sizes.add(s + args[1].shape[1])  # a joint-attention mask over video + text [B, 1, 1, S + L]
+
+    def marked(tensor: Any) -> Any:
+        if not isinstance(tensor, torch.Tensor) or tensor.ndim < 2:
+            return tensor
+        tensor = _unviewed(tensor)
+        # The batch dim, and the first other dim larger than 1 when it has S (or S + L) entries: only that one,
+        # since a width that happens to equal S (the text's [B, L, D] at S = D) would change the marked set,
+        # which itself recompiles.
+        batch = [0] if tensor.shape[0] == b else []
+        first = next((d for d in range(len(batch), tensor.ndim) if tensor.shape[d] != 1), None)
+        per_token = not batch or tensor.ndim >= 3  # [B, D] (an embedding) has no token dim
+        tokens = [first] if per_token and first is not None and tensor.shape[first] in sizes else []
+        mark_dynamic(tensor, *batch, *tokens)
+        return tensor
+
+    rest = [type(a)(marked(t) for t in a) if isinstance(a, (tuple, list)) else marked(a) for a in args[1:]]
+    return (hidden, *rest)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -313,3 +313,30 @@ def test_the_synthetic_corpus_carries_extra_inputs_without_changing_latents_or_c
         SyntheticMixedDataset(4, "tiny", extra_inputs={"context": [5]})
     with pytest.raises(ValueError, match=r"extra_inputs=\{'pooled': \[0\]\}\)` is not valid"):
         SyntheticMixedDataset(4, "tiny", extra_inputs={"pooled": [0]})
+
+
+@pytest.mark.slow  # ~15 s on a 2-core CPU: dynamo traces both block kinds
+def test_hunyuan_compiled_blocks_compile_one_graph_per_block_kind_and_batch_one_for_every_bucket():
+    # Dynamo's graphs with the eager backend: what the marks decide (inductor only lowers each graph, at
+    # minutes a graph on a CPU). Without the marks every new grid compiled two more graphs.
+    from torch._dynamo.utils import counters
+
+    from lightning_adaptiveload.integrations import diffusers as integ
+    from lightning_adaptiveload.models.compiling import compile_blocks
+
+    torch._dynamo.reset()
+    counters.clear()
+    module = _module("diffusers_hunyuan_video_tiny")
+    module.configure_model()
+    eager = _module("diffusers_hunyuan_video_tiny")
+    eager.configure_model()
+    eager.load_state_dict(module.state_dict())
+    blocks = [m for m in module.transformer.modules() if type(m) in module.family.block_classes]
+    compile_blocks(blocks, integ._mark_block_inputs, backend="eager")
+    module._blocks_compiled = True
+    gen = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    for b, grid in [(2, (1, 2, 2)), (2, (2, 2, 3)), (2, (1, 4, 4)), (1, (3, 2, 3)), (2, (2, 4, 4)), (3, (1, 3, 5))]:
+        batch = module.synthetic_batch(b, grid)
+        assert torch.equal(module.compute_loss(batch, gen()), eager.compute_loss(batch, gen()))
+    assert counters["stats"]["unique_graphs"] == 4  # {dual, single} x {B >= 2, B = 1}
+    torch._dynamo.reset()
