@@ -277,6 +277,7 @@ def test_sequence_parallel_settings_are_named_as_the_config_node(tmp_path):
         build(cfg)
 
 
+@pytest.mark.slow  # 20 s on a 2-core CPU under load: off the quick path
 def test_multi_rank_failure_is_reported_once_by_rank_0_last(tmp_path):
     command = [
         sys.executable,
@@ -396,6 +397,7 @@ def _missing_file(overrides: list[str]) -> str | None:
     return None
 
 
+@pytest.mark.slow  # 7 s on a 2-core CPU under load: off the quick path
 @pytest.mark.parametrize("overrides", _COMMANDS, ids=[" ".join(c) or "<no overrides>" for c in _COMMANDS])
 def test_readme_command_composes_and_runs_on_cpu(overrides, tmp_path):
     cfg = _compose(overrides, tmp_path)

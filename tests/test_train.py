@@ -204,6 +204,7 @@ def test_missing_keys_walk_lists_and_skip_hydra_and_interpolations():
     assert missing_keys(cfg) == ["a", "b.c[1]", "b.c[2].d"]
 
 
+@pytest.mark.slow  # 3 s on a 2-core CPU under load: off the quick path
 def test_console_script_reports_a_missing_setting_in_one_line(tmp_path):
     command = [
         sys.executable,
@@ -383,6 +384,7 @@ def test_console_script_names_a_truncated_checkpoint_in_one_line(tmp_path):
     assert "truncated or corrupt" in lines[0] and f"an earlier one in {tmp_path}" in lines[0]
 
 
+@pytest.mark.slow  # 14 s on a 2-core CPU under load: off the quick path
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
 def test_gpu_recipe_without_a_gpu_says_to_add_trainer_cpu(tmp_path):
     command = [sys.executable, "-m", "lightning_adaptiveload.train", "experiment=wan2_1_1_3b_480p",

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from benchmark_scripts import load_benchmark
 
 
+@pytest.mark.slow  # 23 s on a 2-core CPU under load: off the quick path
 def test_runs_pinned_shapes_through_the_product_and_records_losses(tmp_path):
     bench = load_benchmark("bench_speed")
     out = tmp_path / "speed.json"

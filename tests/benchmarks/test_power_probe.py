@@ -9,6 +9,7 @@ import pytest
 from benchmark_scripts import load_benchmark
 
 
+@pytest.mark.slow  # 21 s on a 2-core CPU under load: off the quick path
 def test_poisoned_phase_is_recorded_apart_from_training(tmp_path):
     bench = load_benchmark("power_probe")
     out = tmp_path / "probe.json"

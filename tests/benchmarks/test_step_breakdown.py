@@ -65,6 +65,7 @@ def test_flop_split_adds_up_to_the_model_flops():
     assert split["attention"] == 3 * 2 * 30 * (4 * 7800**2 * 1536 + 4 * 7800 * 512 * 1536)
 
 
+@pytest.mark.slow  # 15 s on a 2-core CPU under load: off the quick path
 def test_runs_through_the_product_on_cpu(tmp_path):
     bench = load_benchmark("step_breakdown")
     out = tmp_path / "breakdown.json"

@@ -78,6 +78,7 @@ def _keep_tiny_cpu_profiles(monkeypatch):
     monkeypatch.setattr(conductor, "NOISY_PROFILE_REL", float("inf"))
 
 
+@pytest.mark.slow  # 3 s on a 2-core CPU under load: off the quick path
 def test_the_cache_is_reused_across_lr_seed_and_workers_and_not_across_text_length(tmp_path, _keep_tiny_cpu_profiles):
     def fit(text_len=16, num_workers=0, **kwargs):
         module = NS["MyMMDiT"](text_len=text_len, channels=4, text_dim=8, **kwargs)

@@ -112,6 +112,7 @@ def _per_epoch(*runs: Seen) -> dict[int, Counter]:
     return out
 
 
+@pytest.mark.slow  # 9 s on a 2-core CPU under load: off the quick path
 def test_an_overhead_the_profile_did_not_see_re_plans_to_larger_batches(tmp_path):
     bench, monitor, seen, dm = _fit(tmp_path, SleepModule(extra=0.03), max_epochs=2)
     replans = [(step, d, at) for step, d, at in bench.decisions if at is not None]
@@ -130,6 +131,7 @@ def test_an_overhead_the_profile_did_not_see_re_plans_to_larger_batches(tmp_path
     assert cached and '"corrected"' in cached[0].read_text()
 
 
+@pytest.mark.slow  # 4 s on a 2-core CPU under load: off the quick path
 def test_a_uniform_slowdown_corrects_predictions_but_changes_no_batch_size(tmp_path):
     bench, monitor, _, dm = _fit(tmp_path, SleepModule(scale=1.3), max_steps=60)
     assert bench.decisions and all(at is None and not d.replan for _, d, at in bench.decisions)
@@ -139,6 +141,7 @@ def test_a_uniform_slowdown_corrects_predictions_but_changes_no_batch_size(tmp_p
     assert np.median(before) > 1.2 and 0.9 < np.median(after) < 1.1, (before, after)
 
 
+@pytest.mark.slow  # 9 s on a 2-core CPU under load: off the quick path
 def test_resume_after_a_re_plan_continues_it_exactly(tmp_path):
     every, stop = 10, 14  # the re-plan at step 10, the checkpoint inside the same epoch
     saver = ModelCheckpoint(dirpath=tmp_path / "c", filename="{step}", every_n_train_steps=stop, save_top_k=-1)

@@ -254,6 +254,7 @@ def test_time_budget_stops_after_first_pass(tmp_path, monkeypatch):
     assert dm.cost_model is not None
 
 
+@pytest.mark.slow  # 3 s on a 2-core CPU under load: off the quick path
 def test_out_of_memory_shape_recorded_and_skipped(tmp_path):
     model = TinyModule()
 
@@ -342,6 +343,7 @@ class LateRestoreStrategy(SingleDeviceStrategy):
         return True
 
 
+@pytest.mark.slow  # 16 s on a 2-core CPU under load: off the quick path
 @pytest.mark.parametrize("use_cache", [False, True])
 def test_resume_with_late_restoring_strategy(tmp_path, use_cache):
     cache = tmp_path / "cache" if use_cache else None
@@ -401,6 +403,7 @@ def _real_parts(num_samples=64, **module_kwargs):
     return FlowMatchingModule("tiny", **module_kwargs), dm
 
 
+@pytest.mark.slow  # 11 s on a 2-core CPU under load: off the quick path
 def test_real_tiny_model_and_datamodule(tmp_path):
     model, dm = _real_parts()
     cb = _cb(tmp_path, max_shapes=3)
@@ -453,6 +456,7 @@ class TinyModuleLR(TinyModule):
         self.save_hyperparameters()
 
 
+@pytest.mark.slow  # 3 s on a 2-core CPU under load: off the quick path
 def test_resume_with_other_hparams_and_world_size_keeps_the_calibration(tmp_path):
     first, dm1 = _cb(tmp_path), TinyDataModule()
     trainer = _trainer(tmp_path, first)
@@ -477,6 +481,7 @@ def test_resume_with_other_hparams_and_world_size_keeps_the_calibration(tmp_path
     assert resumed.derivation.budget_source == "given"
 
 
+@pytest.mark.slow  # 3 s on a 2-core CPU under load: off the quick path
 def test_checkpoint_of_another_model_is_not_reused_and_says_why(tmp_path):
     first = _cb(tmp_path)
     trainer = _trainer(tmp_path, first)
@@ -491,6 +496,7 @@ def test_checkpoint_of_another_model_is_not_reused_and_says_why(tmp_path):
     assert resumed.profiled
 
 
+@pytest.mark.slow  # 3 s on a 2-core CPU under load: off the quick path
 def test_pinned_calibration_file_is_used(tmp_path):
     first = _cb(tmp_path)
     _trainer(tmp_path, first).fit(TinyModule(), datamodule=TinyDataModule())
@@ -609,6 +615,7 @@ def test_auto_checkpointing_is_chosen_per_bucket_and_reapplied(tmp_path):
     assert all(mode == ("full" if s == 180 else "none") for mode, s in model3.modes_seen)
 
 
+@pytest.mark.slow  # 10 s on a 2-core CPU under load: off the quick path
 def test_auto_checkpointing_that_fits_nowhere_names_the_samples(tmp_path):
     model = ModalModule(oom_modes=("none", "selective", "full"))
     with pytest.raises(ValueError, match=r"S=180 tokens .* above the memory budget of 72 tokens that fit one device even with 'full' activation checkpointing"):
@@ -623,6 +630,7 @@ def test_auto_checkpointing_that_fits_nowhere_names_the_samples(tmp_path):
     assert _tiers(cb) == [("none", 72)] and dm.policy.batch_size(180) == 0
 
 
+@pytest.mark.slow  # 12 s on a 2-core CPU under load: off the quick path
 def test_a_fixed_mode_is_part_of_the_key_and_never_probed(tmp_path):
     model = ModalModule(oom_modes=())
     model.checkpointing = "full"
@@ -632,6 +640,7 @@ def test_a_fixed_mode_is_part_of_the_key_and_never_probed(tmp_path):
     assert model.checkpointing == "full" and {m for m, _ in model.modes_seen} == {"full"}
 
 
+@pytest.mark.slow  # 4 s on a 2-core CPU under load: off the quick path
 def test_late_restoring_strategy_gets_the_checkpoints_checkpointing_modes(tmp_path):
     # Such strategies restore after on_fit_start: the run profiles first (here all in 'none'), then the
     # checkpoint's calibration replaces it, and its tiers must replace the profiled ones too.

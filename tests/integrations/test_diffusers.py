@@ -98,6 +98,7 @@ def _bf16_like_from_pretrained(model: WanTransformer3DModel) -> WanTransformer3D
     return model
 
 
+@pytest.mark.slow  # 5 s on a 2-core CPU under load: off the quick path
 @pytest.mark.parametrize("per_token", [False, True], ids=["per_sample", "per_token"])
 @pytest.mark.parametrize("mode", ["fp32", "fp32_checkpointed", "bf16"])
 def test_patched_model_matches_diffusers_forward_and_every_gradient(monkeypatch, per_token, mode):
@@ -215,6 +216,7 @@ def test_adapter_provides_the_protocol():
         DiffusersWanModule(dict(TINY), lr=0)
 
 
+@pytest.mark.slow  # 2 s on a 2-core CPU under load: off the quick path
 def test_compute_loss_is_wans_rectified_flow():
     module = DiffusersWanModule(_tiny(), text_len=3, timestep_shift=3.0)
     batch = module.synthetic_batch(2, (1, 2, 2))
@@ -242,6 +244,7 @@ def test_flops_per_sample_is_three_times_the_counted_forward():
     assert module.flops_per_sample(12) == 3 * counter.get_total_flops() / 2
 
 
+@pytest.mark.slow  # 4 s on a 2-core CPU under load: off the quick path
 def test_adapter_trains_with_the_datamodule_on_cpu(tmp_path):
     dataset = SyntheticMixedDataset(24, "tiny", latent_channels=4, text_len=3, text_dim=8, seed=0)
     dm = AdaptiveLoadDataModule(dataset, DualConstraintPolicy(m_mem=128, m_comp=128 * 64, p=2), seed=0)
@@ -409,6 +412,7 @@ def _double(batch):
     return {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
 
 
+@pytest.mark.slow  # 3 s on a 2-core CPU under load: off the quick path
 @pytest.mark.parametrize("patched", [False, True], ids=["diffusers_forward", "fused_adaln"])
 def test_checkpointing_modes_give_the_gradients_of_none_and_recompute_what_they_say(patched):
     torch.manual_seed(0)
@@ -549,6 +553,7 @@ def _fit_losses(tmp_path, max_steps, ckpt_path=None, checkpoint_every=None):
     return tape.losses
 
 
+@pytest.mark.slow  # 3 s on a 2-core CPU under load: off the quick path
 def test_resumed_run_has_the_uninterrupted_loss_at_every_step(tmp_path):
     pl.seed_everything(0)
     full = _fit_losses(tmp_path / "full", max_steps=8, checkpoint_every=4)

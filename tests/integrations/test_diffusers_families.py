@@ -121,6 +121,7 @@ def test_each_family_provides_the_protocol_and_counts_its_attention_tokens(name)
     assert len(without_grad) < len(list(module.parameters())) // 10, without_grad
 
 
+@pytest.mark.slow  # 2 s on a 2-core CPU under load: off the quick path
 @pytest.mark.parametrize("name", list(TINY))
 def test_flops_per_sample_is_three_times_the_counted_forward_over_video_and_text(name):
     module = _module(name)
@@ -133,6 +134,7 @@ def test_flops_per_sample_is_three_times_the_counted_forward_over_video_and_text
     assert module.flops_per_sample(12) == pytest.approx(3 * counter.get_total_flops() / 2, rel=1e-12)
 
 
+@pytest.mark.slow  # 21 s on a 2-core CPU under load: off the quick path
 @pytest.mark.parametrize("name", ["diffusers_hunyuan_video_tiny", "diffusers_cogvideox_tiny",
                                   "diffusers_ltx_video_tiny", "diffusers_wan2_2_tiny"])
 def test_each_family_resumes_with_the_uninterrupted_losses(tmp_path, name):
@@ -282,6 +284,7 @@ def _compose_train(overrides, tmp_path):
 
 
 # ~4 s on an idle 2-core CPU (profiles two shapes), ~10 s beside other jobs.
+@pytest.mark.slow  # 7 s on a 2-core CPU under load: off the quick path
 def test_adaptiveload_train_trains_hunyuan_video_on_the_synthetic_corpus_without_glue(tmp_path):
     from lightning_adaptiveload.callbacks.shape_benchmark import ShapeBenchmarkCallback
     from lightning_adaptiveload.cli.train import build

@@ -190,6 +190,7 @@ def test_on_nonfinite_loss_off_trains_the_nan_into_the_weights(tmp_path):
     assert module.nonfinite_loss_steps == 0 and not all(torch.isfinite(p).all() for p in module.parameters())
 
 
+@pytest.mark.slow  # 3 s on a 2-core CPU under load: off the quick path
 def test_an_unknown_on_nonfinite_loss_is_named(tmp_path):
     module = _diverging(set())
     module.on_nonfinite_loss = "ignore"

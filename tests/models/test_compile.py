@@ -137,6 +137,7 @@ def test_inductor_checkpointing_modes_match_eager_on_gpu():
             assert rel < 3e-2, f"{mode} {name}: relative gradient difference {rel:.3g}"
 
 
+@pytest.mark.slow  # 9 s on a 2-core CPU under load: off the quick path
 def test_compiled_blocks_under_bf16_autocast_compile_one_graph_for_every_block():
     # Under autocast the patch embedding gives bf16; the residual stream is fp32 after block 0. Every
     # block must still get one dtype, or block 0 compiles a graph of its own (seen on the H200: 8
@@ -179,6 +180,7 @@ def test_compile_options_reach_every_block_and_are_checked(monkeypatch):
         FlowMatchingModule("tiny", compile=True, compile_options=["max_autotune"])
 
 
+@pytest.mark.slow  # 7 s on a 2-core CPU under load: off the quick path
 def test_compiled_blocks_under_ddp_compile_one_graph_each_not_one_per_gradient_bucket():
     """Inside a DDP forward dynamo would cut each block's graph at DDP's gradient buckets; the blocks
     opt out (their backward already hands DDP its gradients per block), and only around their calls."""

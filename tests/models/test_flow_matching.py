@@ -179,6 +179,7 @@ def _fit_tiny(tmp_path, max_steps, ckpt_path=None, checkpoint_every=None, accele
     return tape.losses
 
 
+@pytest.mark.slow  # 4 s on a 2-core CPU under load: off the quick path
 def test_resumed_run_has_the_uninterrupted_loss_at_every_step(tmp_path):
     full = _fit_tiny(tmp_path / "full", max_steps=8, checkpoint_every=4)
     assert len(full) == 8

@@ -177,6 +177,7 @@ def _check_against_one_process(out: Path, compiled: bool) -> None:
                 assert_close(row["grads"][name], g, f"{what}: grad of {name}")
 
 
+@pytest.mark.slow  # 2 s on a 2-core CPU under load: off the quick path
 def test_sp_and_per_batch_checkpointing_modes_train_what_one_process_trains(tmp_path):
     """Degree 2 on two ranks, each batch in its own mode (selective, full, none): every step's loss and
     every parameter's DDP-averaged gradient equal one process without SP and without checkpointing."""
@@ -256,6 +257,7 @@ def _product_ranks(rank: int, world: int, port: int, out: str) -> None:
                Path(out) / f"product{rank}.pt")
 
 
+@pytest.mark.slow  # 5 s on a 2-core CPU under load: off the quick path
 def test_tiers_choose_each_batchs_mode_while_the_planner_gives_its_sp_degree(tmp_path):
     """Two ranks through the Trainer with ShapeBenchmarkCallback (a pinned calibration whose tiers give
     'none', 'selective' and 'full' to different buckets) and UlyssesSequenceParallel: every batch trains in

@@ -308,6 +308,7 @@ def _four_ranks(rank: int, world: int, port: int, out: str) -> None:
     trainer.fit(module, loader)
 
 
+@pytest.mark.slow  # 3 s on a 2-core CPU under load: off the quick path
 def test_four_ranks_degree_four_and_a_mixed_ddp_step_match_one_process(tmp_path):
     spawn(_four_ranks, 4, str(tmp_path))
     module = _mixed_module()
