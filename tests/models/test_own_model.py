@@ -84,3 +84,36 @@ def test_without_an_example_synthetic_batch_says_how_to_get_one():
     with pytest.raises(MisconfigurationException, match=r"set_example\(collate_batch\(\[dataset\[0\]\]\)\)"):
         module.synthetic_batch(1, (1, 2, 2))
     assert np.isfinite(module.hparams.lr)
+
+
+@pytest.mark.slow
+def test_the_doc_mmdit_resumes_with_the_losses_of_the_uninterrupted_run(tmp_path):
+    import lightning as L
+
+    from lightning_adaptiveload.bucketing.policy import DualConstraintPolicy
+    from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
+
+    class Losses(L.Callback):
+        def __init__(self):
+            self.seen = {}
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.seen[trainer.global_step] = float(outputs["loss"])
+
+    def fit(max_steps, ckpt=None):
+        L.seed_everything(0)
+        module = NS["MyMMDiT"](text_len=16, channels=4, text_dim=8)
+        dataset = SyntheticMixedDataset(32, "tiny", latent_channels=4, text_len=16, text_dim=8)
+        dm = AdaptiveLoadDataModule(dataset, DualConstraintPolicy(m_mem=128, m_comp=128 * 64, p=2))
+        losses = Losses()
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, enable_checkpointing=False, use_distributed_sampler=False,
+                            default_root_dir=tmp_path, callbacks=[losses])
+        trainer.fit(module, datamodule=dm, ckpt_path=ckpt)
+        return trainer, losses.seen
+
+    _, full = fit(4)
+    trainer, first = fit(2)
+    trainer.save_checkpoint(tmp_path / "half.ckpt")
+    _, rest = fit(4, tmp_path / "half.ckpt")
+    assert {**first, **rest} == full and set(rest) == {3, 4}
