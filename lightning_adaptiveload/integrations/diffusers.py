@@ -1006,7 +1006,11 @@ def _resolve_transformer(
             raise ValueError(f"`{cls}(transformer=..., pretrained={str(pretrained)!r})`: {different} differ from the "
                              "directory's config.json. Pass transformer=None to use the directory's config.")
         config = {**stored, **config}
-    return fam, config, model, subfolder
+    # Every constructor argument, defaults filled in: the same architecture has the same config (hence the same
+    # calibration key) whether it comes from a short mapping, a model or a save_pretrained directory.
+    defaults = {name: p.default for name, p in inspect.signature(fam.model_class.__init__).parameters.items()
+                if name != "self" and p.default is not inspect.Parameter.empty}
+    return fam, {**defaults, **config}, model, subfolder
 
 
 def _resolve_checkpointing(cls: str, setting: bool | str | None, alias: bool | None, model_flag: bool) -> bool | str:

@@ -147,14 +147,36 @@ def test_each_family_resumes_with_the_uninterrupted_losses(tmp_path, name):
     assert {s: full[s] for s in resumed} == resumed  # exactly equal
 
 
-def test_the_architecture_key_differs_per_family_and_config():
-    prints = {name: model_fingerprint(_module(name)) for name in list(TINY) + REAL}
-    assert len(set(prints.values())) == len(prints)  # every config its own calibration
+def test_the_calibration_key_differs_per_family_and_config_and_not_with_the_weights_source(tmp_path):
+    import json
+
+    import numpy as np
+
+    from lightning_adaptiveload.calibration.calibrate import ProfileSettings
+    from lightning_adaptiveload.callbacks._trainee import calibration_key
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    grids = np.array([(1, 2, 2), (1, 2, 4)])
+
+    def key(module):
+        return json.dumps(calibration_key(trainer, module, ProfileSettings(), grids, 3), sort_keys=True)
+
+    keys = {name: key(_module(name)) for name in list(TINY) + REAL}
+    assert len(set(keys.values())) == len(keys)  # every config its own calibration
+    assert model_fingerprint(_module("diffusers_wan2_1_tiny")) != model_fingerprint(_module("diffusers_wan2_2_tiny"))
     deeper = _module("diffusers_hunyuan_video_tiny", transformer={**_node("diffusers_hunyuan_video_tiny").transformer,
                                                                   "num_single_layers": 2})
-    assert model_fingerprint(deeper) != prints["diffusers_hunyuan_video_tiny"]
-    # The same config read twice: the same key (a calibration is reused).
-    assert model_fingerprint(_module("diffusers_ltx_video_tiny")) == prints["diffusers_ltx_video_tiny"]
+    assert key(deeper) != keys["diffusers_hunyuan_video_tiny"]
+    hunyuan = json.loads(keys["diffusers_hunyuan_video_tiny"])
+    assert hunyuan["batch"]["pooled"] == [[16], "torch.float32"]  # the family's extra input is in it
+    assert hunyuan["attention_tokens"] == [[4, 12], [8, 16]]  # joint text tokens: S + 8
+    assert "attention_tokens" not in json.loads(keys["diffusers_ltx_video_tiny"])
+    # The same config read twice, or with another seed or weights directory: the same key (a calibration is reused).
+    assert key(_module("diffusers_ltx_video_tiny", seed=5, lr=1e-2)) == keys["diffusers_ltx_video_tiny"]
+    source = _module("diffusers_ltx_video_tiny")
+    source.configure_model()
+    source.transformer.save_pretrained(tmp_path)
+    assert key(_module("diffusers_ltx_video_tiny", pretrained=str(tmp_path))) == keys["diffusers_ltx_video_tiny"]
 
 
 @pytest.mark.parametrize("name", list(TINY))
