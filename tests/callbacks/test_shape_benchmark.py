@@ -316,6 +316,7 @@ def test_a_calibration_from_an_earlier_profiler_is_not_reused(tmp_path, monkeypa
     assert new.profiled and new.calibration.key["profile"] == 2  # profiled again, not read from the cache
 
 
+@pytest.mark.slow  # 6 s on a 2-core CPU under load: off the quick path
 def test_resume_from_checkpoint_does_not_profile(tmp_path):
     first, dm1 = _cb(tmp_path), TinyDataModule()
     trainer = _trainer(tmp_path, first)

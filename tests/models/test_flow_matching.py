@@ -334,6 +334,7 @@ def test_bad_arguments_raise(kwargs, match):
         FlowMatchingModule(**kwargs)
 
 
+@pytest.mark.slow  # 20 s on a 2-core CPU under load: off the quick path
 def test_adamw_steps_reduce_loss_on_fixed_batch():
     module = _module(lr=3e-3)
     optimizer = module.configure_optimizers()
@@ -458,6 +459,7 @@ def _fit_bf16(tmp_path, optimizer_impl, clip, steps):
     return {k: v.detach().clone() for k, v in module.state_dict().items()}, norms.norms
 
 
+@pytest.mark.slow  # 7 s on a 2-core CPU under load: off the quick path
 def test_fused_adamw_clips_under_bf16_like_foreach(tmp_path):
     # Lightning's mixed-precision plugin refuses to clip for fused optimizers (an fp16-scaler rule);
     # with bf16 the module clips itself, as Lightning clips for the foreach optimizer.

@@ -286,6 +286,7 @@ def test_gradients_reach_every_parameter():
         assert p.grad.abs().sum() > 0, name
 
 
+@pytest.mark.slow  # 5 s on a 2-core CPU under load: off the quick path
 def test_gradient_checkpointing_gives_same_gradients():
     x, t, ctx = _inputs(_model(), 2, (2, 4, 4))
     grads = []

@@ -179,6 +179,7 @@ def _count_ops(model) -> _CountOps:
     return ops
 
 
+@pytest.mark.slow  # 6 s on a 2-core CPU under load: off the quick path
 def test_auto_checkpointing_set_after_sharding_reaches_every_block(one_rank):
     module = FlowMatchingModule("tiny", activation_checkpointing="auto", fsdp_param_dtype="float32")
     module._device_mesh = one_rank  # what FSDP2Strategy sets
@@ -212,6 +213,7 @@ def test_initialize_refuses_modules_without_reset_parameters():
         initialize_(torch.nn.Sequential(Bare()))
 
 
+@pytest.mark.slow  # 5 s on a 2-core CPU under load: off the quick path
 def test_compiled_sharded_blocks_compile_one_graph_for_every_sequence_length(one_rank):
     """FSDP2's pre-forward hook hands each block new tensors; the blocks' own pre-hook marks those, so
     the first graph already has symbolic sizes (otherwise a static graph, then a dynamic one)."""
