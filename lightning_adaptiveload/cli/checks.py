@@ -159,7 +159,8 @@ def check_overrides(argv: list[str], config_dir: str, config_name: str = "train"
     suggests ``+`` only for an argument the node's target takes. Composes the config once more (~0.3 s) when
     an override sets an existing key's value; other composition errors are left to Hydra.
     """
-    if any(a in ("-m", "--multirun") for a in argv):
+    # A sweep, or another config (--config-name / --config-path / --config-dir): left to Hydra.
+    if any(a in ("-m", "--multirun", "-cn", "-cp", "-cd") or a.startswith("--config") for a in argv):
         return
     overrides = [a for a in argv if not a.startswith("-") and "=" in a]
     if not any(o[0] not in "+~" for o in overrides):
