@@ -54,8 +54,10 @@ def test_a_replan_keeps_every_sample_once_and_ranks_even(seed, n, world, data):
     drawn = [data.draw(st.integers(0, at)) for _ in range(world)]  # ranks prefetched different amounts
     samplers, per_rank = _replanned_epoch(shapes, world, drawn, at)
     assert len({len(r) for r in per_rank}) == 1 and len(per_rank[0]) == len(samplers[0])
-    # Padding: at most one step of repeats per segment.
-    _assert_once(shapes, per_rank, padding=2 * (world - 1))
+    # Padding repeats whole batches: at most world - 1 batches in each of the two segments.
+    seq = shapes.prod(axis=1)
+    largest = int(max(OLD.batch_sizes(seq).max(), NEW.batch_sizes(seq).max()))
+    _assert_once(shapes, per_rank, padding=2 * (world - 1) * largest)
     # After the switch, batches follow the new policy (bucket batch sizes of NEW), before it the old one.
     new_sizes = NEW.batch_sizes(shapes.prod(axis=1))
     for rank in per_rank:

@@ -148,7 +148,7 @@ def test_fa4_compiles_without_a_graph_break_and_selective_checkpointing_keeps_it
     for t in (q, k, v):
         t.grad = None
     torch.utils.checkpoint.checkpoint(f, q, k, v, use_reentrant=False, context_fn=wan.keep_attention_outputs).backward()
-    for t, want in zip((q, k, v), grads):
+    for t, want in zip((q, k, v), grads, strict=True):
         assert torch.allclose(t.grad, want, rtol=1e-2, atol=1e-2)
 
 
@@ -168,7 +168,7 @@ def test_fa4_deterministic_backward_repeats_bit_for_bit():
                 t.grad = None
     finally:
         torch.use_deterministic_algorithms(False)
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
 
 
 @pytest.mark.cuda
