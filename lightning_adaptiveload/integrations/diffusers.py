@@ -65,6 +65,7 @@ from typing_extensions import override
 from lightning_adaptiveload._checks import check_positive_int, check_triple
 from lightning_adaptiveload.data.bad_samples import SAMPLE_WEIGHT_KEY
 from lightning_adaptiveload.geometry import latent_of_grid, token_grid, tokens_of
+from lightning_adaptiveload.integrations.diffusers_attention import set_wan_attention_backend
 from lightning_adaptiveload.integrations.diffusers_families import (
     CONTEXT_MASK,
     FAMILIES,
@@ -86,6 +87,7 @@ from lightning_adaptiveload.models.rectified_flow import (
 )
 from lightning_adaptiveload.models.wan import WanConfig, checkpointing_mode, run_checkpointed
 from lightning_adaptiveload.ops import adaln
+from lightning_adaptiveload.ops.attention import check_attention_setting
 
 __all__ = [
     "DiffusersVideoConfig",
@@ -609,9 +611,11 @@ class DiffusersVideoModule(RectifiedFlowModule):
         vae_stride: Sequence[int] | None = None,
         guidance_scale: float = 6.0,
         frame_rate: float = 25.0,
+        attention: str = "auto",
     ) -> None:
         super().__init__()
         cls = type(self).__name__
+        check_attention_setting(attention, cls)
         check_optimizer_impl(optimizer_impl, cls)
         compile_options = check_compile_options(compile_options, compile, cls)
         fam, config, model, subfolder = _resolve_transformer(cls, transformer, family, pretrained,
@@ -646,6 +650,7 @@ class DiffusersVideoModule(RectifiedFlowModule):
         self.transformer: nn.Module | None = None
         self._blocks_compiled = False
         self._flops_fit: tuple[Fraction, Fraction, Fraction] | None = None
+        self._init_attention(attention)
         if model is not None:
             self._prepare_blocks(model)
             self.transformer = model
@@ -720,6 +725,24 @@ class DiffusersVideoModule(RectifiedFlowModule):
 
     def _prepare_blocks(self, model: nn.Module) -> None:
         set_block_checkpointing(model, self._initial_checkpointing(), self.family.block_classes)
+        if self._attention_backend != "sdpa":
+            self._set_model_attention(self._attention_backend, model)
+
+    # ------------------------------------------------------------------ attention backend
+    @property
+    def attention_backends(self) -> tuple[str, ...]:
+        """``("sdpa", "fa4")`` for the Wan family (its attention processor runs the project's backends,
+        :mod:`~lightning_adaptiveload.integrations.diffusers_attention`); ``("sdpa",)`` for the others."""
+        return ("sdpa", "fa4") if self.family.name == "wan" else ("sdpa",)
+
+    @property
+    def attention_heads(self) -> tuple[int, int]:
+        return int(self._cfg("num_attention_heads")), int(self._cfg("attention_head_dim"))
+
+    def _set_model_attention(self, backend: str, model: nn.Module | None = None) -> None:
+        model = model if model is not None else self.transformer
+        if model is not None and self.family.name == "wan":
+            set_wan_attention_backend(model, backend)
 
     @override
     def configure_model(self) -> None:
@@ -927,6 +950,7 @@ class DiffusersVideoModule(RectifiedFlowModule):
         """Velocity prediction for latents ``x``, timesteps ``t`` in [0, num_train_timesteps], ``context`` and the
         family's extra inputs (``context_mask``, ``pooled``)."""
         model = self._require_model()
+        self._attention_for_latents(x)
         dtype = model.dtype
         with whole_block_graphs() if self._blocks_compiled else contextlib.nullcontext():
             return self.family.predict(model, x.to(dtype), t, context.to(dtype), extras, self._options())

@@ -8,11 +8,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_adaptiveload.geometry import tokens_of
-from lightning_adaptiveload.models.attention import choose_attention
 from lightning_adaptiveload.models.compiling import check_compile_options
 from lightning_adaptiveload.models.optim import check_optimizer_impl
 from lightning_adaptiveload.models.rectified_flow import (
@@ -33,7 +30,7 @@ from lightning_adaptiveload.models.wan import (
 )
 from lightning_adaptiveload.models.wan_weights import load_wan_weights_
 from lightning_adaptiveload.modules.adaln import FusedAdaLayerNorm
-from lightning_adaptiveload.ops.attention import check_attention_setting, fa4_unsupported_reason
+from lightning_adaptiveload.ops.attention import check_attention_setting
 
 __all__ = [
     "OUTSIDE_STREAM",
@@ -136,6 +133,7 @@ class FlowMatchingModule(RectifiedFlowModule):
     """
 
     supports_sequence_parallel = True
+    attention_backends = ("sdpa", "fa4")
 
     def __init__(
         self,
@@ -158,7 +156,7 @@ class FlowMatchingModule(RectifiedFlowModule):
     ) -> None:
         super().__init__()
         cls = type(self).__name__
-        check_attention_setting(attention, cls)
+        check_attention_setting(attention, cls)  # before save_hyperparameters, as the other arguments
         compile_options = check_compile_options(compile_options, compile, cls)
         check_optimizer_impl(optimizer_impl, cls)
         if fsdp_param_dtype not in _PARAM_DTYPES:
@@ -189,58 +187,21 @@ class FlowMatchingModule(RectifiedFlowModule):
         # with `.degree`, `.first_rank` and `.check_identical(tensor, what)`. Process groups come from
         # a higher layer (parallel/), so they are handed in rather than created here.
         self.sequence_parallel: Any | None = None
-        #: Attention backend per sequence length (``attention="auto"``: chosen by measurement, see
-        #: :meth:`set_attention_plan`); ``None`` until chosen, or with a fixed backend.
-        self.attention_plan: dict[int, str] | None = None
-        self._attention_backend = "sdpa" if attention == "auto" else attention
+        self._init_attention(attention)
 
     @property
     def wan_config(self) -> WanConfig:
         return self.config
-
-    # ------------------------------------------------------------------ attention backend
-    @property
-    def attention(self) -> str:
-        """The ``attention=`` setting: ``"auto"``, ``"sdpa"`` or ``"fa4"``."""
-        return self.hparams.get("attention", "auto")
 
     @property
     def attention_heads(self) -> tuple[int, int]:
         """``(num_heads, head_dim)`` of the model's attention (what backends are timed with)."""
         return self.config.num_heads, self.config.dim // self.config.num_heads
 
-    def set_attention_plan(self, plan: Mapping[int, str]) -> None:
-        """Use ``plan[S]`` for batches of ``S`` tokens per sample (the nearest planned length for others)."""
-        self.attention_plan = {int(s): str(b) for s, b in plan.items()}
-        if len(set(self.attention_plan.values())) == 1:
-            self._use_attention(next(iter(self.attention_plan.values())))
+    def _set_model_attention(self, backend: str) -> None:
+        if self.model is not None:
+            self.model.set_attention_backend(backend)
 
-    def _use_attention(self, backend: str) -> None:
-        if backend != self._attention_backend:
-            self._attention_backend = backend
-            if self.model is not None:
-                self.model.set_attention_backend(backend)
-
-    def _attention_for(self, seq_len: int) -> str:
-        plan = self.attention_plan
-        if not plan:
-            return self._attention_backend
-        if seq_len in plan:
-            return plan[seq_len]
-        return plan[min(plan, key=lambda s: abs(s - seq_len))]
-
-    @override
-    def on_fit_start(self) -> None:
-        super().on_fit_start()
-        setting = self.attention
-        if setting == "fa4":
-            device = self.device
-            reason = fa4_unsupported_reason(device, None, self.attention_heads[1])
-            if reason is not None:
-                raise ValueError(f"`{type(self).__name__}(attention='fa4')` cannot run: {reason}. "
-                                 "Use attention='auto' (falls back to SDPA) or 'sdpa'.")
-        if setting == "auto" and self.attention_plan is None and self._trainer is not None:
-            choose_attention(self.trainer, self, say=rank_zero_info)
 
     def _built_model(self) -> WanModel | None:
         return self.model
@@ -262,12 +223,8 @@ class FlowMatchingModule(RectifiedFlowModule):
                 f"`WanConfig(text_len={length})`.")
 
     def calibration_key(self) -> dict[str, Any]:
-        """:meth:`RectifiedFlowModule.calibration_key`, under FSDP2 the unsharded parameter dtype, and the
-        attention backends (the setting and, once chosen, the backend per sequence length)."""
-        plan = self.attention_plan
-        return {**super().calibration_key(), "fsdp_param_dtype": self.hparams.get("fsdp_param_dtype", "bfloat16"),
-                "attention": self.attention,
-                "attention_plan": None if plan is None else {str(s): b for s, b in sorted(plan.items())}}
+        """:meth:`RectifiedFlowModule.calibration_key` and, under FSDP2, the unsharded parameter dtype."""
+        return {**super().calibration_key(), "fsdp_param_dtype": self.hparams.get("fsdp_param_dtype", "bfloat16")}
 
     @override
     def configure_model(self) -> None:
@@ -334,6 +291,5 @@ class FlowMatchingModule(RectifiedFlowModule):
     ) -> torch.Tensor:
         """Velocity prediction of the Wan model (timesteps in [0, num_train_timesteps]); see :meth:`WanModel.forward`."""
         model = self._require_model()
-        if self.attention_plan:
-            self._use_attention(self._attention_for(tokens_of(x, self.patch_size)[1]))
+        self._attention_for_latents(x)
         return model(x, t, context) if sequence_parallel is None else model(x, t, context, sequence_parallel)

@@ -32,13 +32,14 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
 from lightning_adaptiveload._checks import check_choice
 from lightning_adaptiveload.data.bad_samples import BAD_SAMPLES_KEY, SAMPLE_WEIGHT_KEY
 from lightning_adaptiveload.geometry import latent_of_grid, tokens_of
+from lightning_adaptiveload.models.attention import choose_attention
 from lightning_adaptiveload.models.optim import adamw, clip_gradients, use_fused_adamw
 from lightning_adaptiveload.models.wan import (
     CHECKPOINTING_MODES,
@@ -46,6 +47,7 @@ from lightning_adaptiveload.models.wan import (
     checkpointing_mode,
     wan_forward_flops,
 )
+from lightning_adaptiveload.ops.attention import fa4_unsupported_reason
 
 __all__ = [
     "DEFAULTS",
@@ -366,8 +368,72 @@ class RectifiedFlowModule(pl.LightningModule):
             self._set_block_checkpointing(mode)
         self._checkpointing_mode = mode
 
+    # ------------------------------------------------------------------ attention backend
+    #: The attention backends this module can run (:data:`~lightning_adaptiveload.ops.attention.ATTENTION_BACKENDS`).
+    attention_backends: tuple[str, ...] = ("sdpa",)
+
+    def _init_attention(self, attention: str) -> None:
+        #: Attention backend per sequence length (``attention="auto"``: chosen by measurement, see
+        #: :meth:`set_attention_plan`); ``None`` until chosen, or with a fixed backend.
+        self.attention_plan: dict[int, str] | None = None
+        self._attention_backend = "sdpa" if attention == "auto" else attention
+
+    @property
+    def attention(self) -> str:
+        """The ``attention=`` setting: ``"auto"``, ``"sdpa"`` or ``"fa4"`` (``"sdpa"`` for a module without one)."""
+        return self.hparams.get("attention", "sdpa")
+
+    @property
+    def attention_heads(self) -> tuple[int, int]:
+        """``(num_heads, head_dim)`` of the model's attention (what backends are timed with)."""
+        raise NotImplementedError
+
+    def _set_model_attention(self, backend: str) -> None:
+        """Make the built model run ``backend`` (called only with one of :attr:`attention_backends`)."""
+
+    def set_attention_plan(self, plan: Mapping[int, str]) -> None:
+        """Use ``plan[S]`` for batches of ``S`` tokens per sample (the nearest planned length for others)."""
+        self.attention_plan = {int(s): str(b) for s, b in plan.items()}
+        if len(set(self.attention_plan.values())) == 1:
+            self._use_attention(next(iter(self.attention_plan.values())))
+
+    def _use_attention(self, backend: str) -> None:
+        if backend != getattr(self, "_attention_backend", "sdpa"):
+            self._attention_backend = backend
+            self._set_model_attention(backend)
+
+    def _attention_for(self, seq_len: int) -> str:
+        plan = getattr(self, "attention_plan", None)
+        if not plan:
+            return getattr(self, "_attention_backend", "sdpa")
+        if seq_len in plan:
+            return plan[seq_len]
+        return plan[min(plan, key=lambda s: abs(s - seq_len))]
+
+    def _attention_for_latents(self, latents: torch.Tensor) -> None:
+        """Before a forward: switch to the plan's backend for the latents' sequence length (cheap)."""
+        plan = getattr(self, "attention_plan", None)
+        if plan and len(set(plan.values())) > 1:
+            self._use_attention(self._attention_for(tokens_of(latents, self.patch_size)[1]))
+
+    def _check_attention(self) -> None:
+        """At fit start: a fixed backend that cannot run is refused; ``"auto"`` without a shape benchmark's
+        choice chooses here (:func:`~lightning_adaptiveload.models.attention.choose_attention`)."""
+        setting, cls = self.attention, type(self).__name__
+        if setting not in ("auto", "sdpa") and setting not in self.attention_backends:
+            raise ValueError(f"`{cls}(attention={setting!r})` is not available for this model (it runs "
+                             f"{list(self.attention_backends)}). Use attention='auto' or 'sdpa'.")
+        if setting == "fa4":
+            reason = fa4_unsupported_reason(self.device, None, self.attention_heads[1])
+            if reason is not None:
+                raise ValueError(f"`{cls}(attention='fa4')` cannot run: {reason}. "
+                                 "Use attention='auto' (falls back to SDPA) or 'sdpa'.")
+        if setting == "auto" and getattr(self, "attention_plan", None) is None and self._trainer is not None:
+            choose_attention(self.trainer, self, say=rank_zero_info)
+
     @override
     def on_fit_start(self) -> None:
+        self._check_attention()
         if self.checkpointing == "auto":
             cls = type(self).__name__
             rank_zero_warn(
@@ -383,7 +449,11 @@ class RectifiedFlowModule(pl.LightningModule):
         the context length from :meth:`synthetic_batch`, ``activation_checkpointing``, ``compile`` and its
         options from the hyperparameters, the architecture from the model's config.
         """
-        return _plain({"fused_adaln_sites": self._fused_adaln_sites()})
+        plan = getattr(self, "attention_plan", None)
+        key = {"fused_adaln_sites": self._fused_adaln_sites()}
+        if plan is not None:  # the backends auto chose (the setting itself is a hyperparameter)
+            key["attention_plan"] = {str(s): b for s, b in sorted(plan.items())}
+        return _plain(key)
 
     # ------------------------------------------------------------------ batches
     def _get(self, batch: Any, name: str, where: str = "a batch") -> torch.Tensor:

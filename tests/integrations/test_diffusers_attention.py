@@ -63,3 +63,21 @@ def test_fa4_in_diffusers_wan_matches_sdpa_on_gpu():
     for n, p in model.named_parameters():
         if n in grads and grads[n].norm() > 0:
             assert ((p.grad.float() - grads[n]).norm() / grads[n].norm()).item() < 5e-2, n
+
+
+def test_diffusers_wan_module_switches_its_processors_and_other_families_run_sdpa_only():
+    from lightning_adaptiveload.integrations.diffusers import DiffusersWanModule
+
+    module = DiffusersWanModule(_tiny(), text_len=7)
+    assert module.attention == "auto" and module.attention_backends == ("sdpa", "fa4")
+    assert module.attention_heads == (2, 16)
+    module._use_attention("fa4")
+    procs = [m.processor for m in module.transformer.modules() if hasattr(m, "processor")]
+    assert procs and all(isinstance(p, da.WanBackendAttnProcessor) and p.backend == "fa4" for p in procs)
+    module.set_attention_plan({96: "sdpa"})
+    assert all(p.backend == "sdpa" for p in procs)
+    with pytest.raises(ValueError, match=r"DiffusersWanModule\(attention='flash'\)` is not valid"):
+        DiffusersWanModule(_tiny(), text_len=7, attention="flash")
+    fixed = DiffusersWanModule(_tiny(), text_len=7, attention="fa4")
+    with pytest.raises(ValueError, match=r"attention='fa4'\)` cannot run: FA4 runs on CUDA"):
+        fixed.on_fit_start()
