@@ -1,7 +1,7 @@
 #!/bin/bash
 # Attention backends on one GPU (from the repository root, after FA4's wheels are installed as
 # ../shared/device/README.md says, PYTHONPATH including them): the cuda tests of the attention op, the kernel
-# table, then RECIPES (480p | mixed | 14b, space-separated) with model.attention=sdpa and auto.
+# table, then RECIPES (480p | mixed | diffusers480p | 14b, space-separated) with model.attention=sdpa and auto.
 # Appends to $OUT/attention.json (copy its records into benchmarks/results/attention.json).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -20,6 +20,7 @@ for recipe in ${RECIPES:-480p}; do
   case $recipe in
     480p) ARGS=(experiment=wan2_1_1_3b_480p) ;;
     mixed) ARGS=(experiment=wan2_1_1_3b_480p data.dataset.mixture=wan_mixed_480p_720p) ;;
+    diffusers480p) ARGS=(experiment=wan2_1_1_3b_480p model=diffusers_wan2_1_1_3b model.compile=true) ;;
     14b) ARGS=(experiment=wan2_1_14b_720p ++model.model.num_layers=4 strategy=fsdp2 trainer.num_nodes=1) ;;
   esac
   timeout ${TIMEOUT:-540} python3 benchmarks/bench_attention.py --name "$recipe" --out "$OUT/attention.json" \
