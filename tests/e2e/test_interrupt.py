@@ -48,6 +48,24 @@ def _run(out: Path, record: Path, devices: int, *extra: str, env: dict | None = 
     return proc
 
 
+def _train_here(out: Path, record: Path, *extra: str) -> None:
+    """The same run as `_command` at one rank, in this process (its imports are loaded: seconds, not ~10 s)."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import open_dict
+
+    from lightning_adaptiveload.cli.train import train
+
+    overrides = [o for o in _command(out, record, 1, *extra)[3:] if not o.startswith("hydra.run.dir=")]
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="lightning_adaptiveload.conf", version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+    GlobalHydra.instance().clear()
+    with open_dict(cfg):
+        cfg.output_dir = cfg.hydra.runtime.output_dir = str(out)
+    train(cfg)
+
+
 def _interrupt(out: Path, record: Path, devices: int, signum: int, *extra: str, env: dict | None = None,
                after_step: int = 2) -> tuple[int, str]:
     """Start a run, send ``signum`` to its process once rank 0 has trained ``after_step`` steps; (rc, stderr)."""
@@ -70,9 +88,9 @@ def _saved_step(path: Path) -> int:
     return int(torch.load(path, map_location="cpu", weights_only=False)["global_step"])
 
 
-@pytest.mark.slow  # ~25-40 s on a 2-core CPU: four one-rank runs
-def test_sigint_then_slurm_requeue_resume_exactly_on_one_rank(tmp_path):
-    _run(tmp_path / "ref", tmp_path / "ref", 1)
+@pytest.mark.slow  # ~20-30 s on a 2-core CPU: two one-rank runs of adaptiveload-train, two in this process
+def test_sigint_then_slurm_requeue_resume_exactly_on_one_rank(tmp_path, monkeypatch):
+    _train_here(tmp_path / "ref", tmp_path / "ref")
     reference = _steps(tmp_path / "ref")
     assert [s for s, _, _ in reference] == list(range(1, MAX_STEPS + 1))
 
@@ -81,7 +99,7 @@ def test_sigint_then_slurm_requeue_resume_exactly_on_one_rank(tmp_path):
     assert rc == 130, out[-3000:]
     last = tmp_path / "a" / "checkpoints" / "last.ckpt"
     stopped = _steps(tmp_path / "a")
-    assert _saved_step(last) == stopped[-1][0] < MAX_STEPS
+    assert _saved_step(last) == stopped[-1][0] < MAX_STEPS - 1
     assert f"stopped by SIGINT after step {stopped[-1][0]}" in out and f"ckpt_path={last}`" in out
     assert "Traceback" not in out
 
@@ -91,10 +109,10 @@ def test_sigint_then_slurm_requeue_resume_exactly_on_one_rank(tmp_path):
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.args"}\n')
     (bin_dir / "scontrol").chmod(0o755)
-    slurm = _env(SLURM_NTASKS="1", SLURM_NTASKS_PER_NODE="1", SLURM_JOB_ID="4242", SLURM_JOB_NAME="train",
-                 SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0", SLURM_NODELIST="localhost",
-                 PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    rc, out = _interrupt(tmp_path / "b", tmp_path / "b", 1, signal.SIGUSR1, f"ckpt_path={last}", env=slurm,
+    slurm = dict(SLURM_NTASKS="1", SLURM_NTASKS_PER_NODE="1", SLURM_JOB_ID="4242", SLURM_JOB_NAME="train",
+                 SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0", SLURM_NODELIST="localhost")
+    env = _env(**slurm, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    rc, out = _interrupt(tmp_path / "b", tmp_path / "b", 1, signal.SIGUSR1, f"ckpt_path={last}", env=env,
                          after_step=stopped[-1][0] + 1)
     assert rc == 128 + signal.SIGUSR1, out[-3000:]
     assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "4242"]
@@ -103,11 +121,13 @@ def test_sigint_then_slurm_requeue_resume_exactly_on_one_rank(tmp_path):
     assert _saved_step(hpc) == requeued[-1][0] < MAX_STEPS
 
     # The requeued job: same environment and output dir, no ckpt_path; Lightning resumes from the hpc checkpoint.
-    _run(tmp_path / "b", tmp_path / "c", 1, env=slurm)
+    for key, value in slurm.items():
+        monkeypatch.setenv(key, value)
+    _train_here(tmp_path / "b", tmp_path / "c")
     assert _steps(tmp_path / "a", tmp_path / "b", tmp_path / "c") == reference
 
 
-@pytest.mark.slow  # ~25-40 s on a 2-core CPU: three two-rank runs
+@pytest.mark.slow  # ~30-50 s on a 2-core CPU: three two-rank runs
 def test_sigterm_on_two_ranks_stops_both_after_the_same_step_and_resumes_exactly(tmp_path):
     _run(tmp_path / "ref", tmp_path / "ref", 2)
     rc, out = _interrupt(tmp_path / "a", tmp_path / "a", 2, signal.SIGTERM)  # to rank 0's process only
