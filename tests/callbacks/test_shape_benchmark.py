@@ -170,12 +170,21 @@ def test_invalid_arguments(kwargs, match):
         ShapeBenchmarkCallback(**kwargs)
 
 
-def test_profiles_sets_policy_before_dataloader_and_leaves_no_trace(tmp_path):
+def test_profiles_sets_policy_before_dataloader_and_leaves_no_trace(tmp_path, monkeypatch):
+    # Simulated step times growing with B·S (the tiny model's real CPU time is noise on a loaded machine,
+    # and a profile that does not grow is, by design, trained at its memory cap instead).
+    clock = FakeClock()
+    monkeypatch.setattr(time, "perf_counter", clock)
     before, after = Snapshot(), Snapshot()
-    cb = _cb(tmp_path)
+    cb = _cb(tmp_path, shape_time_s=60.0, time_budget_s=1e9)
     logger = Mock()
     trainer = _trainer(tmp_path, before, cb, after, logger=logger)
     model, dm = TinyModule(), TinyDataModule()
+
+    def advance(b, s):
+        clock.offset += 0.5 + 2e-3 * b * s + 1e-5 * b * s * s
+
+    model.hook = advance
     trainer.fit(model, datamodule=dm)
 
     assert cb.profiled
