@@ -249,6 +249,13 @@ def test_sequence_parallel_degree_is_checked_before_training(tmp_path):
         build(cfg)
 
 
+@pytest.mark.parametrize("mode, alltoalls", [("false", 8), ("full", 12), ("selective", 12), ("auto", 12)])
+def test_sequence_parallel_counts_the_alltoalls_checkpointing_recomputes(tmp_path, mode, alltoalls):
+    cfg = _compose(["data.sequence_parallel.enabled=true", "data.sequence_parallel.degrees=[2]", "callbacks=none",
+                    "logger=none", f"model.activation_checkpointing={mode}"], tmp_path)
+    assert build(cfg).datamodule.sp_comm.alltoalls_per_layer == alltoalls
+
+
 def test_sequence_parallel_takes_the_model_sizes_and_trains(tmp_path):
     cfg = _compose(["data.sequence_parallel.enabled=true", "data.sequence_parallel.degrees=[2]", "callbacks=none",
                     "logger=none", "++trainer.fast_dev_run=2"], tmp_path)

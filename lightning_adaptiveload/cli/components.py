@@ -35,6 +35,14 @@ def instantiate_dataset(cfg: DictConfig, module: pl.LightningModule) -> Any:
     return instantiate_node(cfg, "data.dataset", **overrides)
 
 
+def alltoalls_per_layer(module: pl.LightningModule) -> int:
+    """All-to-alls per layer and step of Ulysses attention: 4 in forward (q, k, v and the output, both ways)
+    and 4 in backward; 12 when backward recomputes the forward's (``selective`` and ``full`` checkpointing
+    recompute everything but the attention kernels' outputs, and ``auto`` checkpoints the long buckets,
+    the ones sequence parallelism trains). Read from the module's ``checkpointing`` (the protocol's)."""
+    return 8 if getattr(module, "checkpointing", "none") == "none" else 12
+
+
 def sequence_parallel_settings(cfg: DictConfig | None, module: pl.LightningModule) -> dict[str, Any] | None:
     """``data.sequence_parallel`` as a plain dict with its null model sizes taken from the model, or None when off."""
     if cfg is None or not cfg.get("enabled", False):
@@ -55,8 +63,8 @@ def sequence_parallel_settings(cfg: DictConfig | None, module: pl.LightningModul
     if isinstance(comm, dict):
         _from_model(comm, "hidden_dim", "dim", "data.sequence_parallel.comm.hidden_dim")
         _from_model(comm, "num_layers", "num_layers", "data.sequence_parallel.comm.num_layers")
-        if comm.get("alltoalls_per_layer", 0) is None:  # checkpointing recomputes the forward's four
-            comm["alltoalls_per_layer"] = 12 if getattr(module, "activation_checkpointing", False) else 8
+        if comm.get("alltoalls_per_layer", 0) is None:
+            comm["alltoalls_per_layer"] = alltoalls_per_layer(module)
     from lightning_adaptiveload.data.sequence_parallel import sequence_parallel_from_config
 
     try:  # checked here, so the message names the config node rather than the DataModule's argument
