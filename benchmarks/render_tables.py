@@ -185,9 +185,11 @@ def figures() -> dict[str, str]:
     f["closed_loop.epoch_error"] = f"{abs(cl['predicted_over_measured_epoch'] - 1):.1%}"
     f["closed_loop.on"] = f"{cl['on']['tokens_per_s']:,.0f}"
     f["closed_loop.off"] = f"{cl['off']['tokens_per_s']:,.0f}"
-    q = load_result(RESULTS / "quickstart_cpu.json")
-    f["quickstart.pairs"] = ", ".join(f"{x:.2f}" for x in q["ratio_per_pair"])
-    f["quickstart.median"] = f"{q['ratio_median']:.2f}"
+    runs = [r["result"] for r in read_records(RESULTS / "quickstart_cpu.json") if "ratio_per_pair" in r["result"]]
+    for name, loaded in (("quickstart", False), ("quickstart_load", True)):  # the last quiet / loaded record
+        q = [r for r in runs if bool(r.get("load")) == loaded][-1]
+        f[f"{name}.pairs"] = ", ".join(f"{x:.2f}" for x in q["ratio_per_pair"])
+        f[f"{name}.median"] = f"{q['ratio_median']:.2f}"
     sim = load_result(RESULTS / "simulate.json")
     gains = _simulated_gains(sim)
     f["simulate.gain"] = f"{min(gains.values()):+.1%}" if len({f'{g:.1%}' for g in gains.values()}) == 1 else \

@@ -29,6 +29,7 @@ CLAIMS = [
     ("README.md", "within {closed_loop.epoch_error} of the measured one"),
     ("README.md", "{closed_loop.on} tokens/s against {closed_loop.off} with it off"),
     ("README.md", "{quickstart.pairs}× tokens/s, median {quickstart.median}×"),
+    ("README.md", "{quickstart_load.pairs}×, median {quickstart_load.median}×"),
     ("README.md", "cost-balanced steps {simulate.gain} tokens/s over equal-token batches at {simulate.ranks} ranks"),
     ("README.md", "profile took {mixed.profile_s} s on one H200, {mixed.compile_s} s of it compiling"),
     ("README.md", "`selective`); {diffusers_mixed.profile_s} s for diffusers' Wan"),
