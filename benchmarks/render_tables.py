@@ -231,7 +231,26 @@ def speed() -> str:
     return "\n".join(out)
 
 
-TABLES = {"recipes": recipes, "speed": speed, "simulate": simulate, "adaln": adaln, "sampler": sampler,
+def peers() -> str:
+    """The README's headline: the last ``bench_peers.py`` record, the recipe beside the peers' setups."""
+    from bench_peers import peer_overrides
+
+    r = read_records(RESULTS / "peers.json")[-1]
+    res = r["result"]
+    labels = {"recipe": "the recipe (calibrated buckets, cost-balanced steps, compiled blocks, attention=auto)",
+              "batch1": "diffusers' Wan eager, full recomputation, 1 sample a step (DiffSynth-style)",
+              "equal_token": f"the same, equal-token batches of {res['max_tokens']:,} tokens (musubi / Open-Sora style)"}
+    out = ["| setup | overrides | tokens/s | MFU | recipe's speed-up |", "|---|---|---|---|---|"]
+    for setup in ("recipe", *res["recipe_over"]):
+        run = res[setup]
+        extra = "" if setup == "recipe" else " ".join(peer_overrides(setup, res["peer_model"], res["max_tokens"]))
+        gain = 1.0 if setup == "recipe" else res["recipe_over"][setup]
+        out.append(f"| {labels[setup]} | {'`' + extra + '`' if extra else '-'} | {run['epoch_tokens_per_s']:,.0f} "
+                   f"| {run['epoch_mfu']:.1%} | {gain:.2f}x |")
+    return "\n".join(out)
+
+
+TABLES = {"peers": peers, "recipes": recipes, "speed": speed, "simulate": simulate, "adaln": adaln, "sampler": sampler,
           "breakdown": breakdown}  # fmt: skip
 
 if __name__ == "__main__":
