@@ -167,6 +167,33 @@ def test_only_the_dual_constraint_choice_is_refitted_by_the_shape_benchmark(buck
     assert has_benchmark is fitted
 
 
+def _count_shape_benchmark_inits(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    original = ShapeBenchmarkCallback.__init__
+
+    def counting_init(self, *args, **kwargs):
+        calls.append(1)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(ShapeBenchmarkCallback, "__init__", counting_init)
+    return calls
+
+
+def test_a_kept_policy_never_builds_the_shape_benchmark(monkeypatch, tmp_path):
+    # bucketing=equal_token sets fit_from_benchmark=false: the callback is skipped before it is built.
+    calls = _count_shape_benchmark_inits(monkeypatch)
+    run = build(_compose(["bucketing=equal_token"], tmp_path))
+    assert not any(isinstance(cb, ShapeBenchmarkCallback) for cb in run.trainer.callbacks)
+    assert calls == []
+
+
+def test_the_default_policy_builds_the_shape_benchmark(monkeypatch, tmp_path):
+    calls = _count_shape_benchmark_inits(monkeypatch)
+    run = build(_compose([], tmp_path))
+    assert sum(isinstance(cb, ShapeBenchmarkCallback) for cb in run.trainer.callbacks) == 1
+    assert calls == [1]
+
+
 def test_equal_token_baseline_trains_with_its_own_policy(tmp_path):
     cfg = _compose(["bucketing=equal_token", "++trainer.fast_dev_run=2"], tmp_path)
     run = build(cfg)

@@ -26,7 +26,7 @@ from lightning_adaptiveload.calibration import derive, record
 from lightning_adaptiveload.calibration.calibrate import ProfileSettings, Trainee
 from lightning_adaptiveload.calibration.profile import MemoryProbe, plan_grid
 from lightning_adaptiveload.models.compiling import compile_seconds
-from lightning_adaptiveload.models.protocol import attention_tokens_of, check_module
+from lightning_adaptiveload.models.protocol import attention_tokens_of, check_batch_shape, check_module
 
 
 class _StrategyCollectives:
@@ -54,14 +54,7 @@ def lightning_trainee(trainer: Trainer, pl_module: LightningModule, auto_checkpo
     def make_step(batch_size: int, grid: tuple[int, int, int]):
         batch = pl_module.synthetic_batch(batch_size, grid, device)
         if has_shape:
-            got = tuple(int(v) for v in pl_module.batch_shape(batch))
-            want = (batch_size, int(np.prod(grid)))
-            if got != want:
-                raise MisconfigurationException(
-                    f"`{type(pl_module).__name__}.synthetic_batch({batch_size}, token_grid={grid})` returned a "
-                    f"batch whose `batch_shape` is {got}; expected {want}. The token grid is after patchify: "
-                    "the latents must be the grid times the patch size."
-                )
+            check_batch_shape(pl_module, batch, grid, batch_size, source="synthetic")
         return lambda: _step(trainer, pl_module, batch)
 
     has_state = all(len(opt.state) > 0 for opt in trainer.optimizers) if trainer.optimizers else True

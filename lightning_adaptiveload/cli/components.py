@@ -101,15 +101,40 @@ def with_sequence_parallel_callback(callbacks: list[pl.Callback], datamodule: An
     return callbacks if given else [*callbacks, UlyssesSequenceParallel(planned)]
 
 
-def instantiate_callbacks(cfg: DictConfig | None) -> list[pl.Callback]:
+def instantiate_callbacks(cfg: DictConfig | None, skip: dict[type, str] | None = None) -> list[pl.Callback]:
+    """Build the callbacks of ``cfg``, except the nodes whose ``_target_`` is a class in ``skip`` (or a subclass):
+    those are never instantiated, and the message ``skip`` maps their class to is logged once."""
+    from lightning.pytorch.utilities import rank_zero_info
+
     callbacks: list[pl.Callback] = []
+    skipped: set[type] = set()
     for name, cb_cfg in (cfg or {}).items():
         if cb_cfg is None:
             continue  # `~callbacks.<name>` or `callbacks.<name>=null` removes one
         if not isinstance(cb_cfg, DictConfig) or "_target_" not in cb_cfg:
             raise ConfigError(f"callbacks.{name} must be a config with a `_target_`, got {cb_cfg!r}.")
+        cls = _skipped_class(cb_cfg, skip)
+        if cls is not None:
+            skipped.add(cls)
+            continue
         callbacks.append(instantiate_node(cb_cfg, f"callbacks.{name}"))
+    for cls in skipped:
+        rank_zero_info(skip[cls])  # type: ignore[index]
     return callbacks
+
+
+def _skipped_class(cb_cfg: DictConfig, skip: dict[type, str] | None) -> type | None:
+    """The class in ``skip`` that the node's ``_target_`` is (or subclasses); ``None`` when it builds. A target that
+    does not resolve to a class is left to ``instantiate_node``, whose error names the node."""
+    if not skip:
+        return None
+    from hydra.utils import get_object
+
+    try:
+        target = get_object(str(cb_cfg._target_))
+    except Exception:  # noqa: BLE001 - reported by instantiate_node
+        return None
+    return next((cls for cls in skip if isinstance(target, type) and issubclass(target, cls)), None)
 
 
 #: The CUDA allocator setting ``adaptiveload-train`` uses unless the environment sets one: expandable

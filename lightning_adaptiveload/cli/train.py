@@ -47,7 +47,6 @@ def build(cfg: DictConfig) -> Run:
     checks.check_required(cfg)
     checks.check_ckpt_path(cfg)
     import lightning.pytorch as pl
-    from lightning.pytorch.utilities import rank_zero_info
 
     from lightning_adaptiveload.callbacks.shape_benchmark import ShapeBenchmarkCallback
 
@@ -67,13 +66,12 @@ def build(cfg: DictConfig) -> Run:
     )
     if hasattr(datamodule, "print_plan"):  # the DataModule prints the plan it trains, once
         datamodule.print_plan = bool(cfg.get("print_plan", True))
-    callbacks = components.instantiate_callbacks(cfg.get("callbacks"))
-    if not cfg.bucketing.get("fit_from_benchmark", True):
-        # The chosen policy is the point of the run (e.g. the equal-token baseline): keep it.
-        kept = [cb for cb in callbacks if not isinstance(cb, ShapeBenchmarkCallback)]
-        if len(kept) < len(callbacks):
-            rank_zero_info("bucketing.fit_from_benchmark=false: ShapeBenchmarkCallback is off; the configured policy is kept.")
-        callbacks = kept
+    # With fit_from_benchmark=false the chosen policy is the point of the run (e.g. the equal-token baseline):
+    # keep it, and never build the shape benchmark that would refit it.
+    keep_policy = not cfg.bucketing.get("fit_from_benchmark", True)
+    skip = {ShapeBenchmarkCallback: "bucketing.fit_from_benchmark=false: ShapeBenchmarkCallback is off; "
+            "the configured policy is kept."} if keep_policy else None
+    callbacks = components.instantiate_callbacks(cfg.get("callbacks"), skip=skip)
     if sp_settings is not None:
         callbacks = components.with_sequence_parallel_callback(callbacks, datamodule)
     logger = instantiate_node(cfg.logger, "logger") if cfg.get("logger") else False

@@ -33,6 +33,7 @@ __all__ = [
     "REQUIRED_MEMBERS",
     "AdaptiveLoadModule",
     "check_batch_against_plan",
+    "check_batch_shape",
     "attention_tokens_of",
     "check_module",
     "validate_synthetic_batch",
@@ -252,16 +253,7 @@ def validate_synthetic_batch(
     if device is None:
         device = getattr(module, "device", None) or torch.device("cpu")
     batch = module.synthetic_batch(int(batch_size), grid, device)
-    got = _shape(module, batch, "synthetic_batch(...)")
-    expected = (int(batch_size), math.prod(grid))
-    if got != expected:
-        cls = type(module).__name__
-        raise MisconfigurationException(
-            f"`{cls}.synthetic_batch(B={batch_size}, token_grid={grid})` returned a batch whose batch_shape is "
-            f"{got}; expected {expected}: B samples of f·h·w = {expected[1]} tokens. Either synthetic_batch "
-            f"builds latents of another grid (latents must be token_grid × patch_size = "
-            f"{getattr(module, 'patch_size', '?')}), or batch_shape does not count tokens after patchify."
-        )
+    check_batch_shape(module, batch, grid, batch_size, source="synthetic")
     return batch
 
 
@@ -289,14 +281,51 @@ def check_batch_against_plan(
     """
     grid = _grid("check_batch_against_plan", expected_grid)
     check_module(module, ("batch_shape",), who="check_batch_against_plan")
-    got = _shape(module, batch, "batch")
-    expected = (int(expected_batch_size), math.prod(grid))
-    if got != expected:
-        cls = type(module).__name__
+    return check_batch_shape(module, batch, grid, expected_batch_size, source="planned")
+
+
+def check_batch_shape(
+    module: Any, batch: Any, token_grid: Sequence[int], batch_size: int, *, source: str
+) -> tuple[int, int]:
+    """The one (B, S) check: ``module.batch_shape(batch)`` against ``(batch_size, f·h·w)`` of ``token_grid``.
+
+    Used for synthetic batches (:func:`validate_synthetic_batch`, the shape benchmark before it profiles)
+    and for the first real batches (:func:`check_batch_against_plan`, the DataModule).
+
+    Args:
+        module: has ``batch_shape``.
+        batch: the batch.
+        token_grid: the token grid ``(f, h, w)`` the batch should have.
+        batch_size: the samples B it should have.
+        source: ``"synthetic"`` (built by ``module.synthetic_batch(batch_size, token_grid)``) or ``"planned"``
+            (a real batch the sampler planned); the message names the causes of each.
+
+    Returns:
+        ``(B, S)`` of the batch.
+
+    Raises:
+        MisconfigurationException: ``batch_shape(batch)`` is not a pair, or not ``(batch_size, f·h·w)``; the
+            message has both.
+    """
+    if source not in ("synthetic", "planned"):
+        raise ValueError(f"`check_batch_shape(source={source!r})` is not valid. Expected 'synthetic' or 'planned'.")
+    grid = _grid("check_batch_shape", token_grid)
+    got = _shape(module, batch, "synthetic_batch(...)" if source == "synthetic" else "batch")
+    expected = (int(batch_size), math.prod(grid))
+    if got == expected:
+        return got
+    cls = type(module).__name__
+    patch = getattr(module, "patch_size", "?")
+    if source == "synthetic":
         raise MisconfigurationException(
-            f"The first training batch has batch_shape {got} by `{cls}.batch_shape`; the sampler planned "
-            f"{expected} (B={expected_batch_size}, token grid {grid} = {expected[1]} tokens). The dataset's "
-            f"`token_grids()` and the latents `__getitem__` returns disagree, or the model's patch_size "
-            f"({getattr(module, 'patch_size', '?')}) differs from the dataset's."
+            f"`{cls}.synthetic_batch(B={batch_size}, token_grid={grid})` returned a batch whose batch_shape is "
+            f"{got}; expected {expected}: B samples of f·h·w = {expected[1]} tokens. Either synthetic_batch "
+            f"builds latents of another grid (latents must be token_grid × patch_size = {patch}), or "
+            "batch_shape does not count tokens after patchify."
         )
-    return got
+    raise MisconfigurationException(
+        f"The first training batch has batch_shape {got} by `{cls}.batch_shape`; the sampler planned "
+        f"{expected} (B={batch_size}, token grid {grid} = {expected[1]} tokens). The dataset's "
+        f"`token_grids()` and the latents `__getitem__` returns disagree, or the model's patch_size "
+        f"({patch}) differs from the dataset's."
+    )

@@ -525,7 +525,7 @@ def test_mislabelled_synthetic_batch_is_caught_before_profiling(tmp_path):
         def batch_shape(self, batch):
             return batch["x"].shape[0], batch["x"].shape[1]
 
-    with pytest.raises(Exception, match=r"batch_shape` is \(1, 16\); expected \(1, 4\)"):
+    with pytest.raises(Exception, match=r"returned a batch whose batch_shape is \(1, 16\); expected \(1, 4\)"):
         _trainer(tmp_path, _cb(tmp_path)).fit(Mislabelled(), datamodule=TinyDataModule())
 
 

@@ -13,6 +13,7 @@ from lightning_adaptiveload.models.protocol import (
     REQUIRED_MEMBERS,
     AdaptiveLoadModule,
     check_batch_against_plan,
+    check_batch_shape,
     check_module,
     validate_synthetic_batch,
 )
@@ -115,6 +116,22 @@ def test_check_batch_against_plan_reports_both_shapes():
     assert "batch_shape (4, 72)" in msg and "planned (4, 120) (B=4, token grid (5, 4, 6) = 120 tokens)" in msg
     with pytest.raises(MisconfigurationException, match=r"planned \(2, 72\)"):
         check_batch_against_plan(m, batch, (3, 4, 6), 2)
+
+
+def test_check_batch_shape_is_the_one_check_of_both_callers():
+    # validate_synthetic_batch and check_batch_against_plan raise check_batch_shape's messages, word for word.
+    m, bad = GoodModule(), CountsBeforePatchify()
+    batch = bad.synthetic_batch(2, (1, 2, 2))
+    assert check_batch_shape(m, batch, (1, 2, 2), 2, source="planned") == (2, 4)
+    for source, call in [("synthetic", lambda: validate_synthetic_batch(bad, (1, 2, 2))),
+                         ("planned", lambda: check_batch_against_plan(bad, batch, (1, 2, 2), 2))]:
+        with pytest.raises(MisconfigurationException) as direct:
+            check_batch_shape(bad, batch, (1, 2, 2), 2, source=source)
+        with pytest.raises(MisconfigurationException) as via:
+            call()
+        assert str(via.value) == str(direct.value)
+    with pytest.raises(ValueError, match="source='real'"):
+        check_batch_shape(m, batch, (1, 2, 2), 2, source="real")
 
 
 def test_flow_matching_module_satisfies_the_protocol():
