@@ -764,11 +764,16 @@ class DiffusersVideoModule(RectifiedFlowModule):
             self.transformer = model
         if self.hparams.get("compile", False) and not self._blocks_compiled:
             # Lazy: the forwards that FusedAdaLNCallback patches in before the first step are traced.
-            options = self.hparams.get("compile_options")
+            options = dict(self.hparams.get("compile_options") or {})
             classes = self.family.block_classes
             blocks = [m for m in self.transformer.modules() if type(m) in classes]
             mark = _mark_diffusers_block_inputs if self.family.name == "wan" else _mark_block_inputs
-            compile_blocks(blocks, mark, **({"options": dict(options)} if options else {}))
+            if self.family.name != "wan":
+                # Inductor's coalescing tiling analysis asserts (tiling_utils.get_pw_red_splits) on the first
+                # B > 1 graph of a HunyuanVideo block with symbolic B and S (torch 2.11, H200); it is a
+                # heuristic for static shapes only, so the non-Wan blocks go without it unless the user says.
+                options.setdefault("triton.coalesce_tiling_analysis", False)
+            compile_blocks(blocks, mark, **({"options": options} if options else {}))
             self._blocks_compiled = True
 
     # ------------------------------------------------------------------ protocol
