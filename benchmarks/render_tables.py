@@ -250,7 +250,32 @@ def peers() -> str:
     return "\n".join(out)
 
 
-TABLES = {"peers": peers, "recipes": recipes, "speed": speed, "simulate": simulate, "adaln": adaln, "sampler": sampler,
+ATTENTION_ROWS = {  # bench_attention.py --name (benchmarks/device/gpu_attention.sh's RECIPES) -> the recipe's overrides
+    "480p": "experiment=wan2_1_1_3b_480p",
+    "mixed": "... data.dataset.mixture=wan_mixed_480p_720p",
+    "diffusers480p": "experiment=wan2_1_1_3b_480p model=diffusers_wan2_1_1_3b model.compile=true",
+    "14b": "experiment=wan2_1_14b_720p ++model.model.num_layers=4 strategy=fsdp2 trainer.num_nodes=1",
+}
+
+
+def attention() -> str:
+    """docs/attention.md: the last ``bench_attention.py`` recipe record of each recipe, sdpa beside auto."""
+    last = {r["result"]["name"]: r for r in read_records(RESULTS / "attention.json") if r["result"].get("what") == "recipe"}
+    out = ["| recipe | steps | sdpa tokens/s (MFU) | auto tokens/s (MFU) | epoch MFU sdpa → auto | auto / sdpa | commit |",
+           "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, overrides in ATTENTION_ROWS.items():
+        if name not in last:
+            continue
+        res, commit = last[name]["result"], _short(last[name]["commit"])
+        sdpa, auto = res["sdpa"], res["auto"]
+        steps = next(o.split("=")[1] for o in res["overrides"] if o.startswith("trainer.max_steps="))
+        out.append(f"| `{overrides}` | {steps} | {sdpa['tokens_per_s']:,.0f} ({sdpa['mfu']:.1%}) "
+                   f"| {auto['tokens_per_s']:,.0f} ({auto['mfu']:.1%}) | {sdpa['epoch_mfu']:.1%} → {auto['epoch_mfu']:.1%} "
+                   f"| {res['auto_over_sdpa_tokens_per_s']:.2f}x | {commit} |")  # fmt: skip
+    return "\n".join(out)
+
+
+TABLES = {"peers": peers, "attention": attention, "recipes": recipes, "speed": speed, "simulate": simulate, "adaln": adaln, "sampler": sampler,
           "breakdown": breakdown}  # fmt: skip
 
 if __name__ == "__main__":

@@ -73,11 +73,15 @@ def test_readme_measured_table_is_generated(tables):
         assert blocks.get(name) == tables.TABLES[name](), f"README.md: run `python benchmarks/render_tables.py {name}`"
 
 
-def test_docs_benchmarks_tables_are_generated(tables):
-    blocks = _generated((ROOT / "docs" / "benchmarks.md").read_text())
-    assert {"recipes", "speed", "simulate", "adaln", "sampler", "breakdown"} <= blocks.keys()
+@pytest.mark.parametrize("page, names", [
+    ("docs/benchmarks.md", {"recipes", "speed", "simulate", "adaln", "sampler", "breakdown"}),
+    ("docs/attention.md", {"attention"}),
+])  # fmt: skip
+def test_docs_tables_are_generated(tables, page, names):
+    blocks = _generated((ROOT / page).read_text())
+    assert names <= blocks.keys()
     for name, block in blocks.items():
-        assert block == tables.TABLES[name](), f"docs/benchmarks.md <!-- {name} -->: run render_tables.py {name}"
+        assert block == tables.TABLES[name](), f"{page} <!-- {name} -->: run render_tables.py {name}"
 
 
 @pytest.mark.parametrize("page, template", CLAIMS, ids=[f"{p}:{t[:40]}" for p, t in CLAIMS])

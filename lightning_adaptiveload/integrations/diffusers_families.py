@@ -167,8 +167,21 @@ class _HunyuanVideo(VideoFamily):
             # The guidance-distilled release embeds the CFG scale like a timestep (x 1000).
             guidance = torch.full((x.shape[0],), float(options["guidance_scale"]) * 1000.0, device=x.device,
                                   dtype=x.dtype)
-        return model(x, t, context, self.mask(extras, context), extras[POOLED].to(x.dtype), guidance=guidance,
-                     return_dict=False)[0]
+        mask = self.mask(extras, context)
+        # diffusers builds a [B, 1, 1, S + L] joint mask even when every text token is real, and a masked SDPA
+        # cannot use the flash or cuDNN kernels; an all-true mask is dropped at the blocks (one host sync a step
+        # when the batch carries a mask), which computes the same attention.
+        dense = self.all_text_real(extras, mask)
+        for block in (*model.transformer_blocks, *model.single_transformer_blocks):
+            block.drop_attention_mask = dense
+        return model(x, t, context, mask, extras[POOLED].to(x.dtype), guidance=guidance, return_dict=False)[0]
+
+
+    @staticmethod
+    def all_text_real(extras: Mapping[str, torch.Tensor], mask: torch.Tensor) -> bool:
+        """Whether every text token of the batch is real (no mask given, or an all-ones one; on the meta device,
+        where FLOPs are counted, the mask's values are unknown and do not change them)."""
+        return CONTEXT_MASK not in extras or mask.is_meta or bool(mask.all())
 
 
 class _CogVideoX(VideoFamily):

@@ -43,8 +43,9 @@ def choose_attention(trainer: Trainer, pl_module: LightningModule, say: Callable
 
     The module provides ``attention`` (the setting), ``attention_heads`` (``(num_heads, head_dim)``) and
     ``set_attention_plan(plan)``; optionally ``attention_tokens(seq_len)`` (joint text tokens of an MMDiT,
-    timed as part of the attention length). Without a second usable backend (no CUDA, FA4 not installed,
-    an unsupported GPU or dtype) it sets SDPA everywhere and says why in one line.
+    timed as part of the attention length), and ``attention_backends`` (what it can run; only those are
+    timed). Without a second usable backend (the module runs only SDPA, no CUDA, FA4 not installed, an
+    unsupported GPU or dtype) it sets SDPA everywhere and says why in one line.
 
     Returns:
         The plan ``{S: backend}``, or ``None`` when the module does not choose (not ``"auto"``).
@@ -55,7 +56,9 @@ def choose_attention(trainer: Trainer, pl_module: LightningModule, say: Callable
     heads, head_dim = pl_module.attention_heads
     device = trainer.strategy.root_device
     dtype = attention_dtype(trainer)
-    reason = fa4_unsupported_reason(device, dtype, head_dim)
+    runs = tuple(getattr(pl_module, "attention_backends", ("sdpa",)))
+    reason = (fa4_unsupported_reason(device, dtype, head_dim) if "fa4" in runs
+              else f"{type(pl_module).__name__} runs only {', '.join(runs)} for this model")
     if reason is not None or not lengths:
         plan = {s: "sdpa" for s in lengths} or {0: "sdpa"}
         pl_module.set_attention_plan(plan)
@@ -64,7 +67,7 @@ def choose_attention(trainer: Trainer, pl_module: LightningModule, say: Callable
     to_attention = getattr(pl_module, "attention_tokens", None)
     attn = {s: int(to_attention(s)) if callable(to_attention) else s for s in lengths}
     start = time.perf_counter()
-    timed = time_backends(sorted(set(attn.values())), heads, head_dim, device=device, dtype=dtype)
+    timed = time_backends(sorted(set(attn.values())), heads, head_dim, device=device, dtype=dtype, backends=runs)
     plan = choose_backends({s: timed[attn[s]] for s in lengths})
     plan = trainer.strategy.broadcast(plan)
     pl_module.set_attention_plan(plan)

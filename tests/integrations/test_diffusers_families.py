@@ -365,3 +365,36 @@ def test_hunyuan_compiled_blocks_compile_one_graph_per_block_kind_and_batch_one_
         assert torch.equal(module.compute_loss(batch, gen()), eager.compute_loss(batch, gen()))
     assert counters["stats"]["unique_graphs"] == 4  # {dual, single} x {B >= 2, B = 1}
     torch._dynamo.reset()
+
+
+
+def test_hunyuan_drops_an_all_true_joint_mask_at_the_blocks_and_keeps_a_padded_one(monkeypatch):
+    # Every text token real: the blocks' attention gets no mask (SDPA may then take its flash / cuDNN kernels) and
+    # the loss is the one with the all-true mask kept; a padded context keeps its mask.
+    from diffusers.models.transformers import transformer_hunyuan_video as hv
+
+    module = _module("diffusers_hunyuan_video_tiny")
+    module.configure_model()
+    batch = module.synthetic_batch(2, (1, 2, 2))
+    masks = []
+    real = hv.HunyuanVideoAttnProcessor2_0.__call__
+
+    def spy(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        masks.append(attention_mask)
+        return real(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+
+    monkeypatch.setattr(hv.HunyuanVideoAttnProcessor2_0, "__call__", spy)
+    n = len(module.transformer.transformer_blocks) + len(module.transformer.single_transformer_blocks)
+    gen = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    dense = module.compute_loss(batch, gen())
+    assert len(masks) == n and masks == [None] * n
+    family = type(module.family)
+    with monkeypatch.context() as m:
+        m.setattr(family, "all_text_real", staticmethod(lambda extras, mask: False))
+        masks.clear()
+        kept = module.compute_loss(batch, gen())
+        assert len(masks) == n and all(bool(x.all()) for x in masks)
+    torch.testing.assert_close(dense, kept, rtol=1e-6, atol=1e-7)
+    masks.clear()
+    module.compute_loss(dict(batch, context_mask=torch.tensor([[1] * 4 + [0] * 4] * 2)), gen())
+    assert len(masks) == n and not any(bool(x.all()) for x in masks)

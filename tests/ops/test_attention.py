@@ -79,6 +79,24 @@ def test_auto_on_cpu_plans_sdpa_for_every_length_and_says_why():
     assert choose_attention(_Trainer([(1, 2, 2)]), FlowMatchingModule("tiny", attention="sdpa"), say=print) is None
 
 
+def test_auto_times_only_the_backends_the_module_runs(monkeypatch):
+    # A module whose model runs only SDPA (diffusers' non-Wan families) must not be given FA4 by auto, even
+    # where FA4 could run: its plan would name a backend the model never runs (and key the calibration by it).
+    import lightning_adaptiveload.models.attention as auto
+
+    timed = []
+    monkeypatch.setattr(auto, "fa4_unsupported_reason", lambda *a, **k: None)
+    monkeypatch.setattr(auto, "time_backends", lambda lengths, *a, backends=None, **k: timed.append(backends) or {
+        s: {"sdpa": 2.0, "fa4": 1.0} for s in lengths})
+    both = FlowMatchingModule("tiny")
+    assert choose_attention(_Trainer([(1, 2, 2)]), both, say=print) == {4: "fa4"} and timed[-1] == ("sdpa", "fa4")
+    only = FlowMatchingModule("tiny")
+    only.attention_backends = ("sdpa",)
+    lines = []
+    assert choose_attention(_Trainer([(1, 2, 2), (2, 2, 2)]), only, say=lines.append) == {4: "sdpa", 8: "sdpa"}
+    assert len(timed) == 1 and lines == ["attention=auto: SDPA (FlowMatchingModule runs only sdpa for this model)"]
+
+
 def test_attention_dtype_follows_precision():
     assert attention_dtype(_Trainer([], "bf16-mixed")) is torch.bfloat16
     assert attention_dtype(_Trainer([], "16-mixed")) is torch.float16
