@@ -252,16 +252,17 @@ def peers() -> str:
 
 ATTENTION_ROWS = {  # bench_attention.py --name (benchmarks/device/gpu_attention.sh's RECIPES) -> the recipe's overrides
     "480p": "experiment=wan2_1_1_3b_480p",
-    "mixed": "... data.dataset.mixture=wan_mixed_480p_720p",
+    "mixed": "experiment=wan2_1_1_3b_480p data.dataset.mixture=wan_mixed_480p_720p",
     "diffusers480p": "experiment=wan2_1_1_3b_480p model=diffusers_wan2_1_1_3b model.compile=true",
     "14b": "experiment=wan2_1_14b_720p ++model.model.num_layers=4 strategy=fsdp2 trainer.num_nodes=1",
 }
 
 
 def attention() -> str:
-    """docs/attention.md: the last ``bench_attention.py`` recipe record of each recipe, sdpa beside auto."""
+    """README and docs/attention.md: the last ``bench_attention.py`` record of each recipe, sdpa beside auto."""
     last = {r["result"]["name"]: r for r in read_records(RESULTS / "attention.json") if r["result"].get("what") == "recipe"}
-    out = ["| recipe | steps | sdpa tokens/s (MFU) | auto tokens/s (MFU) | epoch MFU sdpa → auto | auto / sdpa | commit |",
+    out = ["| command (`adaptiveload-train ... trainer.devices=1`) | steps | sdpa tokens/s (MFU) | auto tokens/s (MFU) "
+           "| epoch MFU sdpa → auto | auto / sdpa | commit |",
            "|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, overrides in ATTENTION_ROWS.items():
         if name not in last:
