@@ -158,3 +158,64 @@ def test_resume_after_a_re_plan_continues_it_exactly(tmp_path):
     # Every sample once in the re-planned epoch 0 across the two runs, and once in epoch 1.
     for epoch, counts in _per_epoch(first, rest).items():
         assert set(counts) == set(range(N)) and sum(counts.values()) == N, epoch
+
+
+_KILLED_RUN = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import ModelCheckpoint
+from test_closed_loop import SleepModule, _fit
+
+class Tape(Callback):  # every batch with its step, on disk before the next step starts
+    def __init__(self, path):
+        self.file = open(path, "a")
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.file.write(json.dumps([trainer.global_step, trainer.datamodule.sampler.epoch,
+                                    batch["index"].tolist()]) + "\\n")
+        self.file.flush()
+
+saver = ModelCheckpoint(dirpath={ckpts!r}, filename="{{step}}", every_n_train_steps={save}, save_top_k=-1)
+_fit(__import__("pathlib").Path({work!r}), SleepModule(extra=0.03), every=10, callbacks=[saver, Tape({tape!r})],
+     max_epochs=2)
+"""
+
+
+@pytest.mark.slow  # ~20 s on a 2-core CPU: a training process killed after its re-plan, then the resume
+def test_sigkill_after_a_re_plan_then_resume_keeps_every_sample_once(tmp_path):
+    # A real kill -9 (no handler runs, nothing is flushed): the resume from the last checkpoint written after
+    # the re-plan repeats the steps after it, and the samples of those steps are drawn again, exactly once.
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    save, tape, ckpts = 13, tmp_path / "tape.jsonl", tmp_path / "c"
+    script = _KILLED_RUN.format(tests=str(Path(__file__).parent), ckpts=str(ckpts), save=save, work=str(tmp_path / "a"),
+                                tape=str(tape))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            rows = [json.loads(line) for line in tape.read_text().splitlines()] if tape.exists() else []
+            if (ckpts / f"step={save}.ckpt").exists() and rows and rows[-1][0] >= save + 4:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, f"the run ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    rows = [json.loads(line) for line in tape.read_text().splitlines() if line.endswith("]")]
+    assert rows[-1][0] > save  # it trained past the checkpoint: those steps are lost with the process
+    ckpt = torch.load(ckpts / f"step={save}.ckpt", weights_only=False)
+    assert any(len(seg) == 3 for seg in ckpt["AdaptiveLoadDataModule"]["sampler"]["segments"])  # re-planned before
+    _, _, rest, _ = _fit(tmp_path / "b", SleepModule(extra=0.03), every=10, ckpt=ckpts / f"step={save}.ckpt",
+                         max_epochs=2)
+    before = Seen()
+    before.batches = [(epoch, batch) for step, epoch, batch in rows if step <= save]
+    for epoch, counts in _per_epoch(before, rest).items():
+        assert set(counts) == set(range(N)) and sum(counts.values()) == N, epoch
+    assert set(_per_epoch(before, rest)) == {0, 1}
