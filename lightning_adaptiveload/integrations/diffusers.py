@@ -11,16 +11,17 @@ Two pieces:
   ``norm2`` (cross-attention) has no modulation and stays as it is. :func:`unpatch_wan_transformer`
   restores the originals. :class:`~lightning_adaptiveload.callbacks.FusedAdaLNCallback` applies the
   patch by default.
-* :func:`set_wan_checkpointing` gives every block activation checkpointing inside its own forward
-  (``none``/``selective``/``full``, the protocol of :class:`~lightning_adaptiveload.models.wan.WanAttentionBlock`),
-  so a compiled block compiles the recompute with it and switching modes is one attribute per block.
+* :func:`set_block_checkpointing` gives every block of a family activation checkpointing inside its own forward
+  (``none``/``selective``/``full``, the mechanism of :mod:`lightning_adaptiveload.models.checkpointing`, which
+  :class:`~lightning_adaptiveload.models.wan.WanAttentionBlock` uses too), so a compiled block compiles the
+  recompute with it and switching modes is one attribute per block.
 * :class:`DiffusersWanModule`, a LightningModule that trains the model with Wan's rectified-flow
   objective (:class:`~lightning_adaptiveload.models.rectified_flow.RectifiedFlowModule`) and provides the
   :class:`~lightning_adaptiveload.models.protocol.AdaptiveLoadModule` members the callbacks and the
   DataModule use.
 
-A block's fused AdaLN and its checkpointing share one per-instance ``forward`` (``_block_forward``): it
-runs the block's body (``_wan_body``: diffusers' forward, or the fused one once patched) under the
+A Wan block's fused AdaLN and its checkpointing share one per-instance ``forward`` (``_block_forward``): it
+runs the block's body (``_checkpointed_body``: diffusers' forward, or the fused one once patched) under the
 block's ``checkpointing`` mode.
 
 Why per-instance ``forward`` and not a subclass swap: diffusers finds blocks by class name
@@ -63,7 +64,6 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_adaptiveload._checks import check_positive_int, check_triple
-from lightning_adaptiveload.data.bad_samples import SAMPLE_WEIGHT_KEY
 from lightning_adaptiveload.geometry import latent_of_grid, token_grid, tokens_of
 from lightning_adaptiveload.integrations.diffusers_attention import set_wan_attention_backend
 from lightning_adaptiveload.integrations.diffusers_families import (
@@ -72,6 +72,7 @@ from lightning_adaptiveload.integrations.diffusers_families import (
     VideoFamily,
     family_of,
 )
+from lightning_adaptiveload.models import checkpointing as _checkpointing
 from lightning_adaptiveload.models.compiling import (
     check_compile_options,
     compile_blocks,
@@ -80,12 +81,10 @@ from lightning_adaptiveload.models.compiling import (
 )
 from lightning_adaptiveload.models.optim import check_optimizer_impl
 from lightning_adaptiveload.models.rectified_flow import (
-    OUTSIDE_STREAM,
     RectifiedFlowModule,
     check_training_arguments,
-    rectified_flow_loss,
 )
-from lightning_adaptiveload.models.wan import WanConfig, checkpointing_mode, run_checkpointed
+from lightning_adaptiveload.models.wan import WanConfig
 from lightning_adaptiveload.ops import adaln
 from lightning_adaptiveload.ops.attention import check_attention_setting
 
@@ -197,7 +196,9 @@ def _block_forward(
     rotary_emb: torch.Tensor,
 ) -> torch.Tensor:
     # The body and the mode are attributes, so a compiled block guards on them: one graph per mode.
-    return run_checkpointed(self._wan_body, self.checkpointing, hidden_states, encoder_hidden_states, temb, rotary_emb)
+    return _checkpointing.run_checkpointed(
+        self._checkpointed_body, self.checkpointing, hidden_states, encoder_hidden_states, temb, rotary_emb
+    )
 
 
 @functools.cache
@@ -219,26 +220,22 @@ def _wan_class(module: nn.Module) -> type | None:
 
 
 def _has_block_forward(module: nn.Module) -> bool:
-    return getattr(module.__dict__.get("forward"), "__func__", None) is _block_forward
+    return _checkpointing.has_forward(module, _block_forward)
 
 
 def _is_patched(module: nn.Module) -> bool:
     if _wan_class(module) is WanTransformerBlock:
-        return getattr(module.__dict__.get("_wan_body"), "__func__", None) is _fused_block_forward
+        return getattr(module.__dict__.get(_checkpointing.BODY), "__func__", None) is _fused_block_forward
     return getattr(module.__dict__.get("forward"), "__func__", None) is _fused_model_forward
 
 
 def _install_block_forward(block: nn.Module) -> None:
     """Give ``block`` the per-instance :func:`_block_forward` (diffusers' body, no checkpointing) once."""
-    if _has_block_forward(block):
-        return
-    block._wan_body = types.MethodType(WanTransformerBlock.forward, block)
-    block.checkpointing = "none"
-    block.forward = types.MethodType(_block_forward, block)
+    _checkpointing.install_checkpointed_forward(block, _block_forward, WanTransformerBlock.forward)
 
 
 def _uninstall_block_forward(block: nn.Module) -> None:
-    for name in ("forward", "_wan_body", "checkpointing"):
+    for name in ("forward", _checkpointing.BODY, "checkpointing"):
         del block.__dict__[name]
 
 
@@ -300,7 +297,7 @@ def patch_wan_transformer(model: nn.Module, strict: bool = True) -> int:
             continue
         if cls is WanTransformerBlock:
             _install_block_forward(module)
-            module._wan_body = types.MethodType(_fused_block_forward, module)
+            setattr(module, _checkpointing.BODY, types.MethodType(_fused_block_forward, module))
         else:
             module.forward = types.MethodType(_fused_model_forward, module)
         sites += _SITES[cls]
@@ -322,7 +319,7 @@ def unpatch_wan_transformer(model: nn.Module) -> int:
             if module.checkpointing == "none":
                 _uninstall_block_forward(module)
             else:
-                module._wan_body = types.MethodType(WanTransformerBlock.forward, module)
+                setattr(module, _checkpointing.BODY, types.MethodType(WanTransformerBlock.forward, module))
         else:
             del module.__dict__["forward"]
         sites += _SITES[cls]
@@ -333,7 +330,7 @@ def set_wan_checkpointing(model: nn.Module, mode: str) -> int:
     """Make every diffusers ``WanTransformerBlock`` in ``model`` recompute as ``mode`` says, in place.
 
     ``"none"``, ``"selective"`` (the SDPA outputs are kept, the rest of the block is recomputed:
-    :func:`~lightning_adaptiveload.models.wan.keep_attention_outputs`) or ``"full"``. The checkpoint
+    :func:`~lightning_adaptiveload.models.checkpointing.keep_attention_outputs`) or ``"full"``. The checkpoint
     runs inside the block's forward (non-reentrant ``torch.utils.checkpoint``), so a compiled block
     compiles it with the block, one graph per mode; switching modes later sets one attribute per block.
     diffusers' own model-level ``gradient_checkpointing`` is turned off (it would recompute twice).
@@ -346,22 +343,7 @@ def set_wan_checkpointing(model: nn.Module, mode: str) -> int:
         ValueError: ``mode`` is not a mode, or a block's forward is replaced by someone else (a diffusers
             hook): set the mode before enabling such hooks.
     """
-    mode = checkpointing_mode(mode)
-    count = 0
-    for module in model.modules():
-        if isinstance(module, ModelMixin) and getattr(module, "gradient_checkpointing", False):
-            module.disable_gradient_checkpointing()
-        if _wan_class(module) is not WanTransformerBlock:
-            continue
-        if "forward" in module.__dict__ and not _has_block_forward(module):
-            raise ValueError(
-                f"set_wan_checkpointing(mode={mode!r}): a WanTransformerBlock's forward is already replaced (a "
-                "diffusers hook: caching, group offloading, context parallelism). Set the mode before enabling those."
-            )
-        _install_block_forward(module)
-        module.checkpointing = mode
-        count += 1
-    return count
+    return _set_checkpointing(model, mode, (WanTransformerBlock,), "set_wan_checkpointing")
 
 
 def _unviewed(freqs: Any) -> Any:
@@ -398,7 +380,7 @@ def _mark_diffusers_block_inputs(block: nn.Module, args: tuple[Any, ...]) -> tup
 def _generic_block_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     # A non-Wan family's block: its own forward under the block's checkpointing mode (an attribute, so a
     # compiled block guards on it: one graph per mode). Keyword arguments ride in the checkpointed function.
-    body = self._adaptiveload_body
+    body = self._checkpointed_body
     if getattr(self, "drop_attention_mask", False):  # the family says its joint mask is all true (HunyuanVideo)
         if "attention_mask" in kwargs:
             kwargs = {**kwargs, "attention_mask": None}
@@ -406,40 +388,56 @@ def _generic_block_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             args = (*args[:3], None, *args[4:])
     if kwargs:
         body = functools.partial(body, **kwargs)
-    return run_checkpointed(body, self.checkpointing, *args)
+    return _checkpointing.run_checkpointed(body, self.checkpointing, *args)
 
 
 def set_block_checkpointing(model: nn.Module, mode: str, block_classes: Sequence[type]) -> int:
-    """:func:`set_wan_checkpointing` for the blocks of any diffusers video family (``block_classes``, exact
-    types): each block recomputes as ``mode`` says inside its own forward; diffusers' model-level
-    ``gradient_checkpointing`` is turned off. Returns the number of blocks set.
+    """Make every block of a diffusers video family (``block_classes``: exact types, or ``WanTransformerBlock``,
+    also after FSDP2's class swap) recompute as ``mode`` says inside its own forward, through
+    :func:`~lightning_adaptiveload.models.checkpointing.run_checkpointed`; diffusers' model-level
+    ``gradient_checkpointing`` is turned off. The Wan blocks' forward is shared with the fused-AdaLN patch
+    (:func:`set_wan_checkpointing`). Returns the number of blocks set.
 
     Raises:
         ValueError: ``mode`` is not a mode, or a block's forward is replaced by someone else (a diffusers
             hook): set the mode before enabling such hooks.
     """
-    if WanTransformerBlock in block_classes:
-        return set_wan_checkpointing(model, mode)
-    mode = checkpointing_mode(mode)
+    return _set_checkpointing(model, mode, block_classes, "set_block_checkpointing")
+
+
+def _checkpointed_forward_of(module: nn.Module, classes: Sequence[type]) -> Any:
+    """The per-instance forward a block of ``classes`` checkpoints through (``None``: not such a block): Wan's
+    (:func:`_block_forward`, also after FSDP2's class swap) when ``classes`` has ``WanTransformerBlock``, else the
+    generic one for blocks of exactly those types."""
+    if WanTransformerBlock in classes:
+        return _block_forward if _wan_class(module) is WanTransformerBlock else None
+    return _generic_block_forward if type(module) in classes else None
+
+
+def _set_checkpointing(model: nn.Module, mode: str, block_classes: Sequence[type], owner: str) -> int:
+    """:func:`set_block_checkpointing` (``owner`` names the caller in errors): diffusers' model-level
+    ``gradient_checkpointing`` off, then :func:`~lightning_adaptiveload.models.checkpointing.apply_checkpointing`
+    with each block's checkpointed forward installed."""
+    mode = _checkpointing.checkpointing_mode(mode)
     classes = tuple(block_classes)
-    count = 0
     for module in model.modules():
         if isinstance(module, ModelMixin) and getattr(module, "gradient_checkpointing", False):
             module.disable_gradient_checkpointing()
-        if type(module) not in classes:
-            continue
-        installed = getattr(module.__dict__.get("forward"), "__func__", None) is _generic_block_forward
-        if "forward" in module.__dict__ and not installed:
+
+    def install(module: nn.Module) -> None:
+        forward = _checkpointed_forward_of(module, classes)
+        if "forward" in module.__dict__ and not _checkpointing.has_forward(module, forward):
+            name = WanTransformerBlock.__name__ if forward is _block_forward else type(module).__name__
             raise ValueError(
-                f"set_block_checkpointing(mode={mode!r}): a {type(module).__name__}'s forward is already replaced (a "
+                f"{owner}(mode={mode!r}): a {name}'s forward is already replaced (a "
                 "diffusers hook: caching, group offloading, context parallelism). Set the mode before enabling those."
             )
-        if not installed:
-            module._adaptiveload_body = types.MethodType(type(module).forward, module)
-            module.forward = types.MethodType(_generic_block_forward, module)
-        module.checkpointing = mode
-        count += 1
-    return count
+        body = WanTransformerBlock.forward if forward is _block_forward else None
+        _checkpointing.install_checkpointed_forward(module, forward, body)
+
+    return _checkpointing.apply_checkpointing(
+        model, mode, lambda module: _checkpointed_forward_of(module, classes) is not None, install
+    )
 
 
 def _mark_block_inputs(block: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -875,22 +873,12 @@ class DiffusersVideoModule(RectifiedFlowModule):
         return batch
 
     @override
-    def compute_loss(
-        self, batch: Mapping[str, torch.Tensor], generator: torch.Generator | None = None
-    ) -> torch.Tensor:
-        """Rectified-flow loss (fp32 scalar) of a batch (see the base); the family's extra inputs go to the model."""
-        self._require_model()
-        latents, context = self._get(batch, "latents"), self._get(batch, "context")
-        self._check_patch(latents)
-        self.sequence_parallel_group(batch)  # refuses sp_degree > 1: no sequence-parallel path here
-        if generator is None:
-            generator = self.noise_generator(latents.device, stream=OUTSIDE_STREAM)
-        inputs = {"latents": latents, "context": context}
-        if isinstance(batch, Mapping) and batch.get(SAMPLE_WEIGHT_KEY) is not None:
-            inputs[SAMPLE_WEIGHT_KEY] = batch[SAMPLE_WEIGHT_KEY]
-        predict = functools.partial(self, **self._extras(batch))
-        hp = self.hparams
-        return rectified_flow_loss(predict, inputs, hp.timestep_shift, hp.num_train_timesteps, generator)
+    def _model_inputs(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """For the base's ``compute_loss``: the latents' patch checked, then the family's extra inputs
+        (``context_mask``, ``pooled``) the model is called with. No sequence-parallel path here: the base
+        refuses ``sp_degree > 1``."""
+        self._check_patch(self._get(batch, "latents"))
+        return self._extras(batch)
 
     def _counted_forward_flops(self, lengths: Sequence[int], config: Mapping[str, Any]) -> list[int]:
         """FLOPs (FlopCounterMode) of one forward of one sample of each of ``lengths`` tokens (grid (1, 1, S)) of
@@ -1058,7 +1046,7 @@ def _resolve_checkpointing(cls: str, setting: bool | str | None, alias: bool | N
                 f"`{cls}(gradient_checkpointing=True)` is deprecated; use `activation_checkpointing='full'` (or "
                 "'selective', or 'auto' to let the shape benchmark choose per bucket)."
             )
-        if setting is not None and (checkpointing_mode(setting) if setting != "auto" else "auto") != (
+        if setting is not None and _checkpointing.checkpointing_setting(setting) != (
                 "full" if alias else "none"):
             raise ValueError(
                 f"`{cls}(gradient_checkpointing={alias}, activation_checkpointing={setting!r})` disagree. Pass "

@@ -40,13 +40,13 @@ from lightning_adaptiveload._checks import check_choice
 from lightning_adaptiveload.data.bad_samples import BAD_SAMPLES_KEY, SAMPLE_WEIGHT_KEY
 from lightning_adaptiveload.geometry import latent_of_grid, tokens_of
 from lightning_adaptiveload.models.attention import choose_attention
-from lightning_adaptiveload.models.optim import adamw, clip_gradients, use_fused_adamw
-from lightning_adaptiveload.models.wan import (
+from lightning_adaptiveload.models.checkpointing import (
     CHECKPOINTING_MODES,
-    WanConfig,
-    checkpointing_mode,
-    wan_forward_flops,
+    CHECKPOINTING_SETTINGS,
+    checkpointing_setting,
 )
+from lightning_adaptiveload.models.optim import adamw, clip_gradients, use_fused_adamw
+from lightning_adaptiveload.models.wan import WanConfig, wan_forward_flops
 from lightning_adaptiveload.ops.attention import fa4_unsupported_reason
 
 __all__ = [
@@ -153,8 +153,8 @@ _ARGUMENT_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "num_train_timesteps": (lambda v: v > 0, "a positive number"),
     "seed": (lambda v: v is None or (not isinstance(v, bool) and int(v) == v and v >= 0),
              "a non-negative integer or None"),
-    "activation_checkpointing": (lambda v: v == "auto" or bool(checkpointing_mode(v)),
-                                 f"one of {[*CHECKPOINTING_MODES, 'auto']} or true/false"),
+    "activation_checkpointing": (lambda v: bool(checkpointing_setting(v)),
+                                 f"one of {list(CHECKPOINTING_SETTINGS)} or true/false"),
 }
 
 
@@ -226,7 +226,7 @@ class RectifiedFlowModule(pl.LightningModule):
         #: Batch key of the latents ``[B, C, F, H, W]`` and of the context ``[B, L, text_dim]``.
         self.batch_keys: dict[str, str] = {"latents": "latents", "context": "context"}
         # The mode set_checkpointing last applied; None: the constructor's setting still stands.
-        self._checkpointing_mode: str | None = None
+        self._checkpointing: str | None = None
         self._last_step_start: float | None = None
         self._last_step_samples = 0.0
         self._last_step_tokens = 0.0
@@ -265,6 +265,12 @@ class RectifiedFlowModule(pl.LightningModule):
             f"`{type(self).__name__}` has no activation-checkpointing switch: override `_set_block_checkpointing(mode)` "
             "and `checkpointing_modes`, or leave `activation_checkpointing` off."
         )
+
+    def _model_inputs(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """Subclass: the batch's inputs the model takes besides latents, timesteps and context (keyword arguments
+        of ``forward``, e.g. a family's ``context_mask`` or ``pooled``), checked; :meth:`compute_loss` passes them.
+        Default: none."""
+        return {}
 
     def attention_tokens(self, seq_len: int) -> int:
         """Tokens one sample of ``seq_len`` video tokens has in attention: ``seq_len`` (Wan attends to its text by
@@ -339,10 +345,9 @@ class RectifiedFlowModule(pl.LightningModule):
     @property
     def checkpointing(self) -> str:
         """The activation-checkpointing mode in use, or ``"auto"`` while it is still to be chosen."""
-        if self._checkpointing_mode is not None:
-            return self._checkpointing_mode
-        setting = self._hp("activation_checkpointing")
-        return "auto" if setting == "auto" else checkpointing_mode(setting)
+        if self._checkpointing is not None:
+            return self._checkpointing
+        return checkpointing_setting(self._hp("activation_checkpointing"))
 
     def _initial_checkpointing(self) -> str:
         """The mode blocks are built with: the set or configured one; ``"full"`` while ``"auto"`` is undecided
@@ -362,11 +367,11 @@ class RectifiedFlowModule(pl.LightningModule):
                 f"`{type(self).__name__}.set_checkpointing({mode!r})` is not valid. Expected one of "
                 f"{list(self.checkpointing_modes)}."
             )
-        if mode == self._checkpointing_mode:
+        if mode == self._checkpointing:
             return
         if self._built_model() is not None:
             self._set_block_checkpointing(mode)
-        self._checkpointing_mode = mode
+        self._checkpointing = mode
 
     # ------------------------------------------------------------------ attention backend
     #: The attention backends this module can run (:data:`~lightning_adaptiveload.ops.attention.ATTENTION_BACKENDS`).
@@ -729,15 +734,19 @@ class RectifiedFlowModule(pl.LightningModule):
         Timesteps, then noise, are drawn from ``generator`` (on the latents' device). Without one,
         from the stream kept apart from training (seeded by the module's seed, global step and rank),
         so calling it (profiling) neither consumes nor disturbs any training draw or the global RNG.
-        A ``batch["sample_weight"]`` weights the samples (:func:`rectified_flow_loss`).
+        A ``batch["sample_weight"]`` weights the samples (:func:`rectified_flow_loss`). The model is called
+        with the batch's further inputs of :meth:`_model_inputs` as keyword arguments (none here).
         """
         self._require_model()
         latents, context = self._get(batch, "latents"), self._get(batch, "context")
+        extras = self._model_inputs(batch)
         group = self.sequence_parallel_group(batch)
         if generator is None:
             rank = None if group is None else group.first_rank
             generator = self.noise_generator(latents.device, rank=rank, stream=OUTSIDE_STREAM)
         predict = self if group is None else functools.partial(self, sequence_parallel=group)
+        if extras:
+            predict = functools.partial(predict, **extras)
         inputs = {"latents": latents, "context": context}
         if isinstance(batch, Mapping) and batch.get(SAMPLE_WEIGHT_KEY) is not None:
             inputs[SAMPLE_WEIGHT_KEY] = batch[SAMPLE_WEIGHT_KEY]

@@ -41,26 +41,31 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_adaptiveload.geometry import token_grid as _token_grid
+from lightning_adaptiveload.models import checkpointing as _checkpointing
+
+# The activation-checkpointing mechanism lives in models.checkpointing; its names stay importable from here.
+from lightning_adaptiveload.models.checkpointing import (  # noqa: F401
+    _ATTENTION_OPS,
+    CHECKPOINTING_MODES,
+    checkpointing_mode,
+    keep_attention_outputs,
+    run_checkpointed,
+)
 from lightning_adaptiveload.models.compiling import compile_blocks as compile_repeated
 from lightning_adaptiveload.models.compiling import mark_dynamic, whole_block_graphs
 from lightning_adaptiveload.modules.adaln import AdaLayerNorm
-from lightning_adaptiveload.ops.attention import ATTENTION_BACKENDS, FA4_OPS, attention
+from lightning_adaptiveload.ops.attention import ATTENTION_BACKENDS, attention
 
 __all__ = [
-    "CHECKPOINTING_MODES",
     "WAN_CONFIGS",
     "WanAttentionBlock",
     "WanConfig",
     "WanModel",
-    "checkpointing_mode",
     "from_name_or_config",
-    "keep_attention_outputs",
     "rope_angles",
     "rope_apply",
-    "run_checkpointed",
     "sinusoidal_embedding",
     "wan_forward_flops",
 ]
@@ -282,65 +287,6 @@ def rope_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.stack([x0 * c - x1 * si, x0 * si + x1 * c], dim=-1).reshape(b, s, n, d)
 
 
-CHECKPOINTING_MODES = ("none", "selective", "full")
-"""What backward recomputes, from most memory (fastest) to least memory (most recompute)."""
-
-
-def checkpointing_mode(mode: bool | str) -> str:
-    """Normalise an activation-checkpointing setting: ``True`` → ``"full"``, ``False`` → ``"none"``."""
-    if isinstance(mode, bool):
-        return "full" if mode else "none"
-    if mode not in CHECKPOINTING_MODES:
-        raise ValueError(
-            f"Activation checkpointing {mode!r} is not valid. Expected one of {list(CHECKPOINTING_MODES)} "
-            "(or true/false)."
-        )
-    return mode
-
-
-def _attention_ops() -> frozenset:
-    """The ATen attention kernels SDPA may dispatch to (those that exist in this build)."""
-    names = (
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_fused_attention_overrideable",
-    )
-    return frozenset(getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n)) | set(FA4_OPS)
-
-
-def _save_attention_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    # Selective checkpointing: the attention kernels' outputs (output and log-sum-exp, what their
-    # backward needs besides q, k, v) are kept; everything else in the block is recomputed.
-    if op in _ATTENTION_OPS:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def keep_attention_outputs() -> tuple[Any, Any]:
-    """``context_fn`` of ``torch.utils.checkpoint.checkpoint`` for ``"selective"`` activation checkpointing:
-    the SDPA kernels' outputs are saved, everything else in the checkpointed region is recomputed.
-    Any block whose attention runs through ``F.scaled_dot_product_attention`` can use it."""
-    return create_selective_checkpoint_contexts(_save_attention_policy)
-
-
-_ATTENTION_OPS = _attention_ops()
-
-
-def run_checkpointed(fn: Any, mode: str, *args: Any) -> Any:
-    """``fn(*args)`` with activation checkpointing ``mode`` (one of :data:`CHECKPOINTING_MODES`) when
-    gradients are enabled: ``"full"`` recomputes all of ``fn`` in backward, ``"selective"`` keeps the
-    attention kernels' outputs (:func:`keep_attention_outputs`); non-reentrant ``torch.utils.checkpoint``,
-    which ``torch.compile`` traces (a block that calls this inside its compiled forward compiles one
-    graph per mode)."""
-    if mode == "none" or not torch.is_grad_enabled():
-        return fn(*args)
-    if mode == "selective":
-        return checkpoint(fn, *args, use_reentrant=False, context_fn=keep_attention_outputs)
-    return checkpoint(fn, *args, use_reentrant=False)
-
-
 class WanRMSNorm(nn.Module):
     """RMSNorm over the last dim, statistics in fp32, learned weight; output in the input dtype."""
 
@@ -426,8 +372,8 @@ class WanAttentionBlock(nn.Module):
         config: model hyperparameters.
 
     Attributes:
-        checkpointing: what backward recomputes (:data:`CHECKPOINTING_MODES`; non-reentrant
-            ``torch.utils.checkpoint``): ``"none"`` keeps every activation; ``"selective"`` keeps the
+        checkpointing: what backward recomputes (:data:`~lightning_adaptiveload.models.checkpointing.CHECKPOINTING_MODES`,
+            through :func:`~lightning_adaptiveload.models.checkpointing.run_checkpointed`): ``"none"`` keeps every activation; ``"selective"`` keeps the
             outputs of the attention kernels (the S²-cost part) and recomputes the rest of the block
             (projections, FFN, norms, RoPE, gating); ``"full"`` keeps only the block's inputs.
             Set by :meth:`WanModel.set_gradient_checkpointing`.
@@ -469,7 +415,9 @@ class WanAttentionBlock(nn.Module):
         rank's shard of the sequence."""
         # Inside the block so that an FSDP unit wrapping it unshards once around the recompute,
         # and a compiled block compiles the checkpoint with it (the partitioner honours the policy).
-        return run_checkpointed(self._forward, self.checkpointing, x, e0, context, rope, sequence_parallel)
+        return _checkpointing.run_checkpointed(
+            self._forward, self.checkpointing, x, e0, context, rope, sequence_parallel
+        )
 
     @property
     def gradient_checkpointing(self) -> bool:
@@ -598,12 +546,9 @@ class WanModel(nn.Module):
     def set_gradient_checkpointing(self, mode: bool | str = True) -> None:
         """Choose what backward recomputes in every block: ``"none"``, ``"selective"`` or ``"full"``
         (see :class:`WanAttentionBlock`); ``True`` means ``"full"``, ``False`` ``"none"``."""
-        mode = checkpointing_mode(mode)
-        # Through self.modules(): a wrapper around a block (FSDP1's FullyShardedDataParallel) would
-        # take the attribute itself and leave the block it wraps unchanged.
-        for module in self.modules():
-            if isinstance(module, WanAttentionBlock):
-                module.checkpointing = mode
+        # Through self.modules() (apply_checkpointing): a wrapper around a block (FSDP1's FullyShardedDataParallel)
+        # would take the attribute itself and leave the block it wraps unchanged.
+        _checkpointing.apply_checkpointing(self, mode, lambda module: isinstance(module, WanAttentionBlock))
 
     def set_attention_backend(self, backend: str) -> None:
         """Run self- and cross-attention of every block through ``backend`` (``"sdpa"`` or ``"fa4"``, see

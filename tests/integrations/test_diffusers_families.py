@@ -398,3 +398,32 @@ def test_hunyuan_drops_an_all_true_joint_mask_at_the_blocks_and_keeps_a_padded_o
     masks.clear()
     module.compute_loss(dict(batch, context_mask=torch.tensor([[1] * 4 + [0] * 4] * 2)), gen())
     assert len(masks) == n and not any(bool(x.all()) for x in masks)
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_every_family_checkpoints_through_the_one_mechanism(monkeypatch, mode):
+    # The own Wan DiT, diffusers' Wan and HunyuanVideo blocks all recompute through
+    # models.checkpointing.run_checkpointed (one call per block and forward), with the mode set on the block.
+    from lightning_adaptiveload.models import checkpointing
+    from lightning_adaptiveload.models.flow_matching import FlowMatchingModule
+
+    calls = []
+    real = checkpointing.run_checkpointed
+
+    def counting(fn, block_mode, *args):
+        calls.append(block_mode)
+        return real(fn, block_mode, *args)
+
+    monkeypatch.setattr(checkpointing, "run_checkpointed", counting)
+    own = FlowMatchingModule(model="tiny", activation_checkpointing=mode)
+    own.configure_model()
+    modules = {"own wan": own}
+    for name in ("diffusers_wan2_1_tiny", "diffusers_hunyuan_video_tiny"):
+        modules[name] = _module(name, activation_checkpointing=mode)
+        modules[name].configure_model()
+    for name, module in modules.items():
+        model = module._built_model()
+        blocks = [m for m in model.modules() if getattr(m, "checkpointing", None) in checkpointing.CHECKPOINTING_MODES]
+        calls.clear()
+        module.compute_loss(module.synthetic_batch(1, (1, 2, 2)), torch.Generator().manual_seed(0)).backward()
+        assert blocks and calls == [mode] * len(blocks), name
