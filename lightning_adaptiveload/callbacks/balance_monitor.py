@@ -26,6 +26,10 @@ A sequence-parallel batch (``batch["sp_degree"] = k > 1``) is held by the k rank
 each processing 1/k of its tokens: each of them counts 1/k of the batch's tokens and model FLOPs
 (so tokens/s and MFU count every token once) and the planner's SP step cost
 (:func:`~lightning_adaptiveload.bucketing.sequence_parallel.sp_cost_function`) as its compute.
+
+This module is the callback: the per-step timing, the one gather and the run totals. What it reads from the
+device is in :mod:`~lightning_adaptiveload.callbacks._device_probes`; the per-shape table, the epoch
+estimate and the printed report are in :mod:`~lightning_adaptiveload.callbacks._balance_report`.
 """
 
 from __future__ import annotations
@@ -38,7 +42,6 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import torch
-from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from typing_extensions import override
@@ -46,6 +49,15 @@ from typing_extensions import override
 from lightning_adaptiveload.bucketing.metrics import bubble_fraction, compute_imbalance_rate, sync_overhead
 from lightning_adaptiveload.bucketing.policy import CostPredictor
 from lightning_adaptiveload.bucketing.sequence_parallel import sp_cost_function
+from lightning_adaptiveload.callbacks import _balance_report
+from lightning_adaptiveload.callbacks._balance_report import wait_fraction as _wait_fraction
+
+# The probes under the names this module has always had: the callback calls them through these names, so
+# that replacing one here (as tests do with fake NVML reads or allocator counters) replaces what steps read.
+from lightning_adaptiveload.callbacks._device_probes import allocator_counts as _allocator_counts
+from lightning_adaptiveload.callbacks._device_probes import clock_and_power as _clock_and_power
+from lightning_adaptiveload.callbacks._device_probes import device_peak_tflops as _device_peak_tflops
+from lightning_adaptiveload.callbacks._device_probes import peak_memory, reset_peak_memory
 from lightning_adaptiveload.geometry import tokens_of
 
 _FIELDS = ("step_time", "forward_time", "compute", "tokens", "peak_mem", "flops", "data_wait", "alloc_retries",
@@ -53,43 +65,6 @@ _FIELDS = ("step_time", "forward_time", "compute", "tokens", "peak_mem", "flops"
            "overhead")
 # Per batch shape, the training step times kept for `observations` (their medians; the most recent ones).
 _SHAPE_SAMPLES = 256
-# Dense bf16 peaks (TFLOP/s) of GPUs that Lightning's `get_available_flops` does not give (Lightning 2.6):
-# for the name "NVIDIA H200" it warns "FLOPs not found" and returns None (it knows only "h200 sxm1" /
-# "h200 nvl1", and their bf16 entries, 2,000 / 1,700 TFLOP/s, are the with-sparsity figures). The H200 has
-# the H100 SXM's tensor cores: 989 TFLOP/s dense bf16 (Lightning's H100 SXM entry: 989.4).
-_DENSE_BF16_TFLOPS: dict[str, float] = {"H200": 989.0}
-
-
-def _allocator_counts(device: torch.device) -> tuple[int, int]:
-    """CUDA's cumulative (allocations that freed the cache and retried, cudaMalloc + cudaFree calls);
-    zeros off CUDA."""
-    if device.type != "cuda":
-        return 0, 0
-    stats = torch.cuda.memory_stats(device)
-    return (int(stats.get("num_alloc_retries", 0)),
-            int(stats.get("num_device_alloc", 0)) + int(stats.get("num_device_free", 0)))
-
-
-def _clock_and_power(device: torch.device) -> tuple[float, float]:
-    """The GPU's SM clock (MHz) and power draw (W) over NVML's last sample period (1/6 s to 1 s), through
-    ``torch.cuda.clock_rate`` / ``power_draw`` (they need the ``nvidia-ml-py`` package). Raises what
-    they raise; NaNs off CUDA."""
-    if device.type != "cuda":
-        return float("nan"), float("nan")
-    return float(torch.cuda.clock_rate(device)), float(torch.cuda.power_draw(device)) / 1000.0
-
-
-def _device_peak_tflops(device: torch.device) -> float | None:
-    """Dense bf16 peak of ``device`` in TFLOP/s: Lightning's ``get_available_flops``, or
-    :data:`_DENSE_BF16_TFLOPS` where it has none; ``None`` off CUDA (then no MFU is logged)."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    known = next((v for k, v in _DENSE_BF16_TFLOPS.items() if k in name), None)
-    if known is not None:
-        return known
-    flops = get_available_flops(device, torch.bfloat16)
-    return None if flops is None else flops / 1e12
 
 
 def batch_shape_of(pl_module: Any, batch: Any) -> tuple[int, int]:
@@ -112,12 +87,6 @@ def batch_shape_of(pl_module: Any, batch: Any) -> tuple[int, int]:
         )
     latents = batch["latents"] if isinstance(batch, dict) else batch[0]
     return tokens_of(latents, tuple(patch))
-
-
-def _wait_fraction(wait: Any, step_time: Any) -> np.ndarray:
-    """Data wait as a fraction of the wall time of a step (wait + step), 0 where both are 0."""
-    wait, total = np.asarray(wait, dtype=np.float64), np.asarray(wait, dtype=np.float64) + step_time
-    return np.divide(wait, total, out=np.zeros_like(total), where=total > 0)
 
 
 class BalanceMonitor(Callback):
@@ -293,8 +262,7 @@ class BalanceMonitor(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        if pl_module.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(pl_module.device)
+        reset_peak_memory(pl_module.device)
         self._allocator0 = _allocator_counts(pl_module.device)
         self._t_fwd = self._t_opt = None
         self._t0 = self._now(pl_module.device)
@@ -333,7 +301,7 @@ class BalanceMonitor(Callback):
         b, s = batch_shape_of(pl_module, batch)
         # Each of the k ranks of a sequence-parallel batch processes 1/k of it.
         degree = int(batch.get("sp_degree", 1)) if isinstance(batch, dict) else 1
-        peak = torch.cuda.max_memory_allocated(pl_module.device) if pl_module.device.type == "cuda" else 0
+        peak = peak_memory(pl_module.device)
         flops_fn = getattr(pl_module, "flops_per_sample", None)
         flops = float(b) * float(flops_fn(s)) / degree if callable(flops_fn) else 0.0
         retries, device_allocs = (float(now - then) for now, then in
@@ -511,22 +479,8 @@ class BalanceMonitor(Callback):
         slower clock under sustained load) until the closed loop corrects the model
         (``ShapeBenchmarkCallback(closed_loop=True)``), after which it is the corrected model's error.
         """
-        out = []
-        for (b, s), (n, t, pred, flops, allocs, slowest) in sorted(self._shape_sums.items(),
-                                                                    key=lambda kv: (-kv[0][1], -kv[0][0])):
-            row = {"B": b, "S": s, "steps": int(n), "step_s": t / n, "predicted": pred / n,
-                   "measured_over_predicted": t / pred if pred > 0 else float("nan"), "tokens_per_s": n * b * s / t,
-                   "slowest_step_s": slowest, "device_allocs": int(allocs)}
-            cycles = self._shape_cycles.get((b, s))
-            if cycles:
-                row["cycle_s"] = float(np.median(cycles))
-                if self._active_cost_model is not None:
-                    row["predicted"] = float(self._active_cost_model.predict(b, s))
-                    row["measured_over_predicted"] = row["cycle_s"] / row["predicted"]
-            if flops > 0 and self._peak_tflops:
-                row["mfu"] = flops / t / 1e12 / self._peak_tflops
-            out.append(row)
-        return out
+        return _balance_report.per_shape(self._shape_sums, self._shape_cycles, self._active_cost_model,
+                                         self._peak_tflops)
 
     def epoch_estimate(self, plan: Sequence[Mapping[str, Any]]) -> dict[str, float] | None:
         """Tokens/s (and MFU) of one epoch of ``plan`` at the step times this rank measured per batch shape.
@@ -549,36 +503,9 @@ class BalanceMonitor(Callback):
             ``buckets``, ``measured_time_frac`` (the measured buckets' share of the epoch's time) and
             ``ratio`` (R); ``None`` when no bucket of the plan was measured.
         """
-        rows = [r for r in plan if int(r.get("batch_size", 0)) > 0 and int(r.get("batches", 0)) > 0]
-        measured = {key: sums for key, sums in self._shape_sums.items() if sums[0] > 0}
-        hit = [(int(r["batch_size"]), int(r["seq_len"])) in measured for r in rows]
-        if not any(hit):
-            return None
-        world = max(1, self._per_rank_sum.shape[0])
-        seen = [measured[(int(r["batch_size"]), int(r["seq_len"]))] for r, h in zip(rows, hit, strict=True) if h]
-        pred_total = sum(float(v[2]) for v in seen)
-        ratio = sum(float(v[1]) for v in seen) / pred_total if pred_total > 0 else float("nan")
-        time_total = time_measured = tokens = flops = 0.0
-        for r, h in zip(rows, hit, strict=True):
-            b, s, n, k = int(r["batch_size"]), int(r["seq_len"]), int(r["batches"]), int(r.get("sp_degree", 1) or 1)
-            if h:
-                sums = measured[(b, s)]
-                t = float(sums[1] / sums[0])
-            else:
-                t = self._predicted_compute(b, s, k) * ratio
-            time_total += n * t * k
-            time_measured += n * t * k if h else 0.0
-            samples = int(r.get("samples", n * b))
-            tokens += samples * s
-            if self._flops_fn is not None:
-                flops += samples * float(self._flops_fn(s))
-        bubble = self.summary().get("bubble", 0.0)
-        seconds = time_total / world / max(1e-9, 1.0 - bubble)
-        out = {"tokens_per_s": tokens / seconds, "measured_buckets": float(sum(hit)), "buckets": float(len(rows)),
-               "measured_time_frac": time_measured / time_total, "ratio": ratio}
-        if flops > 0 and self._peak_tflops:
-            out["mfu"] = flops / seconds / world / 1e12 / self._peak_tflops
-        return out
+        return _balance_report.epoch_estimate(plan, self._shape_sums, self._per_rank_sum.shape[0],
+                                              self.summary().get("bubble", 0.0), self._predicted_compute,
+                                              self._flops_fn, self._peak_tflops)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -589,66 +516,7 @@ class BalanceMonitor(Callback):
 
     @rank_zero_only
     def _print_report(self) -> None:
-        from rich.console import Console
-        from rich.table import Table
-
-        n = self._steps
-        skipped = f", after {self.warmup_steps} warm-up steps" if self.warmup_steps else ""
-        table = Table(title=f"Balance report ({n} steps{skipped})")
-        for col in ("rank", "mean step s", "mean fwd s", "mean pred. compute", "tokens", "peak GiB", "data wait"):
-            table.add_column(col, justify="right")
-        for r, row in enumerate(self._per_rank_sum):
-            table.add_row(str(r), f"{row[0] / n:.4f}", f"{row[1] / n:.4f}", f"{row[2] / n:.4g}",
-                          f"{int(row[3]):,}", f"{self._peak[r] / 2**30:.2f}", f"{float(_wait_fraction(row[6], row[0])):.2%}")
-        s = self.summary()
-        console = Console()
-        console.print(table)
-        shapes = self.per_shape()
-        if len(shapes) > 1 or self._active_cost_model is not None:
-            unit = "s" if self._active_cost_model is not None else f"B·S^{self.p:g}"
-            by_shape = Table(title="Per batch shape (rank 0)")
-            for col in ("B", "S", "steps", "mean step s", "step + wait s", f"predicted {unit}", "measured / predicted",
-                        "tokens/s", "MFU"):
-                by_shape.add_column(col, justify="right")
-            for row in shapes:
-                ratio = row["measured_over_predicted"] if self._active_cost_model is not None else float("nan")
-                by_shape.add_row(str(row["B"]), f"{row['S']:,}", str(row["steps"]), f"{row['step_s']:.4f}",
-                                 f"{row['cycle_s']:.4f}" if "cycle_s" in row else "-", f"{row['predicted']:.4g}", "-" if np.isnan(ratio) else f"{ratio:.3f}",
-                                 f"{row['tokens_per_s']:,.0f}", f"{row['mfu']:.1%}" if "mfu" in row else "-")
-            console.print(by_shape)
-            # The shapes whose steps mapped device memory, with their slowest step: a one-off cost (the first
-            # step of a shape growing the pool) or a shape that is slow throughout. A line, not columns: the
-            # table already fills an 80-column log.
-            allocs = [f"{row['B']} x {row['S']:,}: {row['device_allocs']} (slowest step {row['slowest_step_s']:.3f} s, "
-                      f"mean {row['step_s']:.3f} s)" for row in shapes if row["device_allocs"]]
-            if allocs:
-                console.print("device allocations per shape: " + "; ".join(allocs))
-        mfu = ""
-        if "tflops_per_gpu" in s:
-            mfu = f" | {s['tflops_per_gpu']:.3g} model TFLOP/s per GPU" + (f", MFU {s['mfu']:.1%}" if "mfu" in s else "")
-        console.print(
-            f"step-time CV {s['step_time_cv']:.2%} | forward CV {s['forward_time_cv']:.2%} | "
-            f"compute CV {s['compute_cv']:.2%} | bubble {s['bubble']:.2%} | tokens/s {s['tokens_per_s']:,.0f}{mfu} | "
-            f"data wait {s['data_wait_frac']:.2%} of step time"
-            + (f" | allocator retries {int(s['alloc_retries'])}" if s.get("alloc_retries") else "")
-            + (f" | device allocations {int(s['device_allocs'])}" if s.get("device_allocs") else "")
-        )
-        if "sm_clock_mhz" in s:
-            console.print(f"GPU: SM clock {s['sm_clock_mhz']:,.0f} MHz, {s['power_w']:,.0f} W (means over the steps; "
-                          "the lowest clock and the highest draw over ranks). A slower clock than while profiling, "
-                          "e.g. under a power cap, makes steps longer than predicted.")
-        elif self._clock_error:
-            console.print(f"GPU clock and power: not recorded ({self._clock_error}; torch.cuda.clock_rate needs "
-                          "the nvidia-ml-py package)")
-        if self._nonfinite_steps:
-            console.print(f"{self._nonfinite_steps} step(s) with a non-finite loss left out of these numbers "
-                          "(they run faster than training; see the warning)")
-        e = self.epoch
-        if e is not None:
-            rest = "" if e["measured_buckets"] == e["buckets"] else f"; the rest predicted x {e['ratio']:.2f}"
-            console.print(
-                f"epoch of this plan at these step times: tokens/s {e['tokens_per_s']:,.0f}"
-                + (f", MFU {e['mfu']:.1%}" if "mfu" in e else "")
-                + f" ({int(e['measured_buckets'])} of {int(e['buckets'])} buckets measured, "
-                f"{e['measured_time_frac']:.0%} of the epoch's time{rest})"
-            )
+        _balance_report.print_report(
+            steps=self._steps, warmup_steps=self.warmup_steps, per_rank_sum=self._per_rank_sum, peak=self._peak,
+            summary=self.summary(), shapes=self.per_shape(), has_cost_model=self._active_cost_model is not None,
+            p=self.p, clock_error=self._clock_error, nonfinite_steps=self._nonfinite_steps, epoch=self.epoch)
