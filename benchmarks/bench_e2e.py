@@ -125,15 +125,13 @@ def _overrides(args: argparse.Namespace, name: str, out_dir: Path, m_mem: int | 
     if c["bucketing"] == "equal_token":
         ov.append(f"bucketing.policy.max_tokens={m_mem}")
     else:
-        ov += [f"callbacks.shape_benchmark.m_mem={m_mem if m_mem else 'null'}",
+        ov += [f"m_mem={m_mem if m_mem else 'null'}",  # the shape benchmark's budget (null: derived)
                f"callbacks.shape_benchmark.time_budget_s={args.profile_budget}",
                f"callbacks.shape_benchmark.repeats={args.profile_repeats}",
                f"callbacks.shape_benchmark.cache_dir={out_dir / 'calibration_cache'}",
                f"callbacks.shape_benchmark.save_dir={out_dir / name}"]
         if calibration:
             ov.append(f"callbacks.shape_benchmark.calibration={calibration}")
-        # The placeholder policy must admit every sample until the benchmark replaces it.
-        ov.append("bucketing.policy.m_mem=1000000000")
     return ov + list(args.override)
 
 

@@ -166,19 +166,74 @@ def test_as_overrides_rewrites_python_arguments_of_a_node():
     )
 
 
-@pytest.mark.parametrize("benchmark", [True, False])
-def test_oversize_error_names_the_m_mem_setting_that_is_live(tmp_path, benchmark):
+@pytest.mark.parametrize(("overrides", "live"), [
+    ([], "m_mem"),  # the shape benchmark's budget is the top-level m_mem
+    (["~callbacks.shape_benchmark"], "m_mem"),  # so is the kept policy's
+    (["bucketing.fit_from_benchmark=false", "bucketing.policy.m_mem=64"], "bucketing.policy.m_mem"),  # set itself
+    (["callbacks.shape_benchmark.m_mem=64"], "callbacks.shape_benchmark.m_mem"),
+])
+def test_oversize_error_names_the_m_mem_setting_that_is_live(tmp_path, overrides, live):
     from lightning_adaptiveload.bucketing.sampler import oversize_error
     from lightning_adaptiveload.cli.checks import as_cli_error, live_m_mem
 
-    cfg = _compose([] if benchmark else ["~callbacks.shape_benchmark"], tmp_path)
+    cfg = _compose(overrides, tmp_path)
     run = build(cfg)
-    live = live_m_mem(cfg, run.trainer.callbacks)
-    assert live == ("callbacks.shape_benchmark.m_mem" if benchmark else "bucketing.policy.m_mem")
+    assert live_m_mem(cfg, run.trainer.callbacks) == live
     err = oversize_error(np.array([16, 120]), 64, "error", grids=np.array([[1, 4, 4], [5, 4, 6]]))
     message = str(as_cli_error(err, run.nodes, live))
     assert f"Raise `{live}` (or enable" in message and "`bucketing.policy.oversize=skip` to leave them out" in message
-    assert "`m_mem`" not in message and "on the policy" not in message
+    assert "on the policy" not in message
+
+
+def _m_mem_values(cfg) -> tuple:
+    """(top-level, policy, shape benchmark) ``m_mem`` of a composed config, resolved."""
+    bench = (cfg.callbacks or {}).get("shape_benchmark")
+    return cfg.m_mem, cfg.bucketing.policy.get("m_mem"), None if bench is None else bench.m_mem
+
+
+@pytest.mark.parametrize(("overrides", "values"), [
+    ([], (None, 2048, 4096)),  # the quickstart: as before the top-level m_mem (CPU benchmark 4096, policy 2048)
+    (["callbacks=gpu"], (None, 2048, None)),  # GPUs: derived from measured peak memory
+    (["m_mem=3000"], (3000, 3000, 3000)),
+    (["m_mem=3000", "callbacks=gpu"], (3000, 3000, 3000)),
+    (["m_mem=3000", "experiment=wan2_1_1_3b_480p"], (3000, 3000, 3000)),
+    (["m_mem=3000", "bucketing=cost_model", "bucketing.policy.cost_model_path=cm.json"], (3000, 3000, 3000)),
+])
+def test_one_m_mem_reaches_the_policy_and_the_shape_benchmark(tmp_path, overrides, values):
+    assert _m_mem_values(_compose(overrides, tmp_path)) == values
+
+
+def test_quickstart_keeps_its_batch_sizes(tmp_path):
+    # The kept policy (fit_from_benchmark=false) plans the quickstart's batches as before m_mem was one setting.
+    run = build(_compose(["bucketing.fit_from_benchmark=false"], tmp_path))
+    assert run.datamodule.policy.m_mem == 2048
+    sizes = run.datamodule.policy.batch_sizes(np.array([16, 64, 72, 120]))
+    assert sizes.tolist() == [112, 7, 5, 2]
+    (bench,) = [cb for cb in build(_compose([], tmp_path)).trainer.callbacks if type(cb).__name__ == "ShapeBenchmarkCallback"]
+    assert bench.settings.m_mem == 4096
+
+
+def test_policy_m_mem_is_refused_while_the_shape_benchmark_replaces_the_policy(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        build(_compose(["bucketing.policy.m_mem=3000"], tmp_path))
+    assert str(err.value) == (
+        "`bucketing.policy.m_mem=3000` is never used: callbacks.shape_benchmark (ShapeBenchmarkCallback) replaces "
+        "the policy with the one it fits, with the budget of the top-level `m_mem`; set `m_mem=3000` instead "
+        "(or `bucketing.fit_from_benchmark=false` to keep this policy)."
+    )
+    # Kept policies take it: fit_from_benchmark=false, no shape benchmark, or a disabled one.
+    for extra in (["bucketing.fit_from_benchmark=false"], ["callbacks=none"], ["callbacks.shape_benchmark.enabled=false"]):
+        assert build(_compose(["bucketing.policy.m_mem=3000", *extra], tmp_path)).datamodule.policy.m_mem == 3000
+    run = build(_compose(["m_mem=3000", "bucketing=equal_token"], tmp_path))  # the baseline: no m_mem, no benchmark
+    assert type(run.datamodule.policy).__name__ == "EqualTokenPolicy"
+
+
+def test_policy_m_mem_refusal_is_one_line_on_the_command_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "lightning_adaptiveload.train", "bucketing.policy.m_mem=3000",
+                           f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.startswith("adaptiveload-train: `bucketing.policy.m_mem=3000` is never used") and \
+        proc.stderr.count("\n") == 1 and "set `m_mem=3000` instead" in proc.stderr, proc.stderr
 
 
 def test_out_of_memory_is_one_line_with_advice(tmp_path, capsys, monkeypatch):
@@ -192,8 +247,8 @@ def test_out_of_memory_is_one_line_with_advice(tmp_path, capsys, monkeypatch):
         torch.empty(2**62, dtype=torch.uint8)  # 4 EiB: the CPU allocator's own refusal
     except RuntimeError as err:
         refused = err
-    for overrides, m_mem in (([], "callbacks.shape_benchmark.m_mem"), (["~callbacks.shape_benchmark"],
-                                                                        "bucketing.policy.m_mem")):
+    for overrides, m_mem in (([], "m_mem"), (["~callbacks.shape_benchmark"], "m_mem"),
+                             (["callbacks=none", "bucketing.policy.m_mem=4096"], "bucketing.policy.m_mem")):
         cfg = _compose(overrides, tmp_path)
         errors._running["trainer"] = build(cfg).trainer
         errors._reported.clear()
@@ -260,7 +315,7 @@ def test_errors_raised_in_fit_name_the_override(tmp_path, monkeypatch):
 
 def test_library_error_in_python_form_is_translated_to_the_override(tmp_path):
     # The sampler says `DualConstraintPolicy(oversize='skip')`; the command line names the override.
-    cfg = _compose(["callbacks=none", "logger=none", "bucketing.policy.m_mem=16"], tmp_path)
+    cfg = _compose(["callbacks=none", "logger=none", "m_mem=16"], tmp_path)
     with pytest.raises(ConfigError) as err:
         train(cfg)
     message = str(err.value)

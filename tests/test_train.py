@@ -140,7 +140,7 @@ def test_experiments_run_on_cpu_with_a_tiny_model(tmp_path):
             "callbacks.shape_benchmark.batch_sizes=[1,2]",
             "callbacks.shape_benchmark.repeats=1",
             "callbacks.shape_benchmark.warmup=0",
-            "callbacks.shape_benchmark.m_mem=4096",
+            "m_mem=4096",
         ],
         tmp_path,
     )

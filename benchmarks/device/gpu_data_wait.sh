@@ -37,13 +37,13 @@ if [ "$MODE" = gpu ]; then
   VIDEO="16,21,60,104"; IMAGE="16,1,60,104"; TEXT="64,4096"; GRID_HW="30,52"
     TRAIN_ARGS=(model=wan2_1_1_3b model.activation_checkpointing=true trainer=gpu trainer.devices=1
               strategy=auto data.datamodule.pin_memory=true
-              bucketing.policy.m_mem=75600 bucketing.policy.m_comp=1073217600)
+              m_mem=75600 bucketing.policy.m_comp=1073217600)
 elif [ "$MODE" = cpu ]; then
   # tiny model (text_dim 32), latents it can take, fp32 on CPU: checks the pipeline, not speed
   SAMPLES=${SAMPLES:-48}; STEPS=${STEPS:-6}; WARMUP=${WARMUP:-1}; WORKERS=${WORKERS:-2}
   VIDEO="16,5,8,8"; IMAGE="16,1,8,8"; TEXT="8,32"; GRID_HW="4,4"
     TRAIN_ARGS=(model=tiny trainer=cpu trainer.devices=1 strategy=auto
-              bucketing.policy.m_mem=2048 bucketing.policy.m_comp=28800)
+              m_mem=2048 bucketing.policy.m_comp=28800)
 else
   echo "gpu_data_wait.sh: MODE=$MODE; expected gpu or cpu" >&2; exit 1
 fi

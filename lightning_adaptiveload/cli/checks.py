@@ -109,14 +109,68 @@ def as_cli_error(
     return ConfigError(message) if message != str(err) else None
 
 
+def _benchmark_keys(cfg: DictConfig) -> list[str]:
+    """Keys of the ``callbacks`` nodes that build a ``ShapeBenchmarkCallback`` (enabled or not)."""
+    return [
+        str(key) for key, node in (cfg.get("callbacks") or {}).items()
+        if isinstance(node, DictConfig) and str(node.get("_target_", "")).endswith(".ShapeBenchmarkCallback")
+    ]
+
+
+def _task_overrides(cfg: DictConfig) -> list[str] | None:
+    """The command line's overrides: the composed config's ``hydra.overrides.task``, else those of the running
+    Hydra app (``adaptiveload-train`` resolves the config before building it); ``None`` outside Hydra."""
+    task = OmegaConf.select(cfg, "hydra.overrides.task", default=None) if "hydra" in cfg else None
+    if task is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        if not HydraConfig.initialized():
+            return None
+        task = HydraConfig.get().overrides.task
+    return [str(o) for o in task]
+
+
+def set_directly(cfg: DictConfig, path: str) -> bool:
+    """Whether the ``m_mem`` at ``path`` (e.g. ``bucketing.policy.m_mem``) was set itself rather than taken from
+    the top-level ``m_mem`` the shipped configs interpolate: a plain value (not that interpolation; a resolved
+    config keeps none) that an override of the command line names, or, where there are no Hydra overrides to
+    read (a config composed without its ``hydra`` node), one other than the top-level ``m_mem`` given."""
+    parent, _, leaf = path.rpartition(".")
+    node = OmegaConf.select(cfg, parent, default=None) if parent else cfg
+    if not isinstance(node, DictConfig) or leaf not in node or OmegaConf.is_interpolation(node, leaf):
+        return False
+    overrides = _task_overrides(cfg)
+    if overrides is not None:
+        return path in {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+    top = cfg.get("m_mem")
+    return top is not None and node[leaf] != top
+
+
+def check_m_mem(cfg: DictConfig) -> None:
+    """Raise ``ConfigError`` when ``bucketing.policy.m_mem`` is set while a shape benchmark replaces the policy
+    (``bucketing.fit_from_benchmark`` true): that value would never be used; the top-level ``m_mem`` is the
+    budget both read."""
+    if not cfg.get("bucketing") or not cfg.bucketing.get("fit_from_benchmark", True):
+        return
+    key = next((k for k in _benchmark_keys(cfg) if cfg.callbacks[k].get("enabled", True)), None)
+    if key is None or not set_directly(cfg, "bucketing.policy.m_mem"):
+        return
+    value = _format_override(cfg.bucketing.policy.m_mem)
+    raise ConfigError(
+        f"`bucketing.policy.m_mem={value}` is never used: callbacks.{key} (ShapeBenchmarkCallback) replaces the "
+        f"policy with the one it fits, with the budget of the top-level `m_mem`; set `m_mem={value}` instead "
+        "(or `bucketing.fit_from_benchmark=false` to keep this policy)."
+    )
+
+
 def live_m_mem(cfg: DictConfig, callbacks: list[Any]) -> str:
-    """The ``m_mem`` setting that holds the run's memory budget: the shape benchmark's when it runs (it
-    refits the policy and replaces the policy's ``m_mem``), else the policy's."""
-    for key, node in (cfg.get("callbacks") or {}).items():
-        if isinstance(node, DictConfig) and str(node.get("_target_", "")).endswith(".ShapeBenchmarkCallback"):
-            if any(type(cb).__name__ == "ShapeBenchmarkCallback" and getattr(cb, "enabled", True) for cb in callbacks):
-                return f"callbacks.{key}.m_mem"
-    return "bucketing.policy.m_mem"
+    """The setting that holds the run's memory budget: ``m_mem`` (the shape benchmark's when it runs, it refits
+    the policy; else the policy's), or the node's own ``m_mem`` where that was set directly (:func:`set_directly`)."""
+    for key in _benchmark_keys(cfg):
+        if any(type(cb).__name__ == "ShapeBenchmarkCallback" and getattr(cb, "enabled", True) for cb in callbacks):
+            path = f"callbacks.{key}.m_mem"
+            return path if set_directly(cfg, path) else "m_mem"
+    return "bucketing.policy.m_mem" if set_directly(cfg, "bucketing.policy.m_mem") else "m_mem"
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:

@@ -109,7 +109,7 @@ def _out_of_memory(err: BaseException, cfg: DictConfig | None) -> str | None:
         size = f"{wanted[1]} {wanted[2]}" if wanted else None
     trainer = _running.get("trainer")
     at = f" at step {trainer.global_step}" if trainer is not None and trainer.global_step else ""
-    m_mem = "bucketing.policy.m_mem"
+    m_mem = "m_mem"
     if cfg is not None and trainer is not None:
         from lightning_adaptiveload.cli.checks import live_m_mem
 

@@ -45,6 +45,7 @@ class Run:
 def build(cfg: DictConfig) -> Run:
     """Check the settings, then instantiate model, data, bucketing policy, callbacks, logger, strategy and Trainer."""
     checks.check_required(cfg)
+    checks.check_m_mem(cfg)
     checks.check_ckpt_path(cfg)
     import lightning.pytorch as pl
 
