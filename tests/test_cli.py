@@ -3,6 +3,7 @@ the command line, one error report per multi-rank failure, and every command of 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -16,9 +17,8 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from hydra import compose, initialize_config_module
-from hydra.core.global_hydra import GlobalHydra
-from omegaconf import OmegaConf, open_dict
+from hydra_compose import compose_train
+from omegaconf import OmegaConf
 
 import lightning_adaptiveload as package
 from lightning_adaptiveload.callbacks.balance_monitor import BalanceMonitor
@@ -30,19 +30,7 @@ TESTS = Path(__file__).resolve().parent
 README = ROOT / "README.md"
 
 
-def _compose(overrides: list[str], tmp_path: Path, devices: int | None = 1):
-    GlobalHydra.instance().clear()
-    with initialize_config_module(config_module="lightning_adaptiveload.conf", version_base="1.3"):
-        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
-    with open_dict(cfg):
-        if devices is not None:
-            cfg.trainer.devices = devices  # in-process: a multi-process launch would re-run pytest itself
-        cfg.output_dir = str(tmp_path)
-        cfg.hydra.runtime.output_dir = str(tmp_path)
-        if cfg.callbacks and "shape_benchmark" in cfg.callbacks:
-            cfg.callbacks.shape_benchmark.cache_dir = str(tmp_path / "cache")
-            cfg.callbacks.shape_benchmark.save_dir = str(tmp_path)
-    return cfg
+_compose = functools.partial(compose_train, from_package=True)
 
 
 class FailOnRank(pl.Callback):
@@ -346,7 +334,7 @@ def test_multi_rank_failure_is_reported_once_by_rank_0_last(tmp_path):
         "+callbacks.fail._target_=test_cli.FailOnRank",
         f"hydra.run.dir={tmp_path}",
     ]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT)]))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS / "helpers"), str(ROOT)]))
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-3000:]

@@ -1,14 +1,13 @@
 """Every command and every override row of ``examples/*/README.md`` composes with its recipe and builds
 (on CPU: the model is built lazily in ``configure_model``, so a 14B preset costs nothing here)."""
 
+import functools
 import re
 import shlex
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
-from omegaconf import open_dict
+from hydra_compose import compose_train
 
 from lightning_adaptiveload.train import ConfigError, build
 
@@ -59,14 +58,7 @@ def test_the_example_tables_are_read():
     assert len([i for i in ids if i.startswith("wan2_1_1_3b_480p-")]) >= 12
 
 
-def _compose(overrides: list[str], tmp_path: Path):
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
-    with open_dict(cfg):
-        cfg.output_dir = str(tmp_path)
-        cfg.hydra.runtime.output_dir = str(tmp_path)
-    return cfg
+_compose = functools.partial(compose_train, devices=None)
 
 
 @pytest.mark.parametrize("overrides", CASES)

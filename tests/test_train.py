@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hydra import compose, initialize_config_dir, initialize_config_module
+from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
+from hydra_compose import compose_train
 from omegaconf import OmegaConf, open_dict
 
 import lightning_adaptiveload
@@ -33,22 +34,7 @@ def _choices(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
-def _compose(overrides: list[str], tmp_path: Path):
-    GlobalHydra.instance().clear()
-    # This checkout's conf/ (the one _choices lists), also where an editable install of another
-    # checkout would resolve `lightning_adaptiveload.conf` elsewhere.
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
-    with open_dict(cfg):
-        # In-process runs stay on one device: a multi-process launch would re-run pytest itself.
-        # The console-script test below runs the default two-process quickstart.
-        cfg.trainer.devices = 1
-        cfg.output_dir = str(tmp_path)
-        cfg.hydra.runtime.output_dir = str(tmp_path)
-        if cfg.callbacks and "shape_benchmark" in cfg.callbacks:
-            cfg.callbacks.shape_benchmark.cache_dir = str(tmp_path / "cache")
-            cfg.callbacks.shape_benchmark.save_dir = str(tmp_path)
-    return cfg
+_compose = compose_train
 
 
 @pytest.mark.parametrize("group", GROUPS)

@@ -63,6 +63,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_deprecation, rank_ze
 from torch import nn
 from typing_extensions import override
 
+import lightning_adaptiveload.models.checkpointing as _checkpointing
 from lightning_adaptiveload._checks import check_positive_int, check_triple
 from lightning_adaptiveload.geometry import latent_of_grid, token_grid, tokens_of
 from lightning_adaptiveload.integrations.diffusers_attention import set_wan_attention_backend
@@ -72,7 +73,6 @@ from lightning_adaptiveload.integrations.diffusers_families import (
     VideoFamily,
     family_of,
 )
-from lightning_adaptiveload.models import checkpointing as _checkpointing
 from lightning_adaptiveload.models.compiling import (
     check_compile_options,
     compile_blocks,

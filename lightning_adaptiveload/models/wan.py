@@ -42,8 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import lightning_adaptiveload.models.checkpointing as _checkpointing
 from lightning_adaptiveload.geometry import token_grid as _token_grid
-from lightning_adaptiveload.models import checkpointing as _checkpointing
 
 # The activation-checkpointing mechanism lives in models.checkpointing; its names stay importable from here.
 from lightning_adaptiveload.models.checkpointing import (  # noqa: F401

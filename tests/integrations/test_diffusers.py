@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+from op_counts import CountOps, attention_calls
 
 pytest.importorskip("diffusers")
 
@@ -384,21 +385,7 @@ def test_compile_arguments_are_checked():
 
 
 # ---------------------------------------------------------------------- activation checkpointing
-class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts ATen calls by name (forward and backward, recomputation included)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
-def _attention_calls(counts: dict[str, int]) -> int:
-    return sum(n for name, n in counts.items() if name.startswith("_scaled_dot_product") and "backward" not in name)
 
 
 def _loss_and_grads(module, batch):
@@ -430,10 +417,10 @@ def test_checkpointing_modes_give_the_gradients_of_none_and_recompute_what_they_
     for mode, attention_runs, ffn_runs in (("selective", 1, 2), ("full", 2, 2), ("none", 1, 1), ("selective", 1, 2)):
         module.set_checkpointing(mode)
         assert module.checkpointing == mode and {b.checkpointing for b in blocks} == {mode}
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION), _CountOps() as ops:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION), CountOps() as ops:
             loss, grads = _loss_and_grads(module, batch)
         # Self- and cross-attention per block; selective keeps their outputs, full runs them again.
-        assert _attention_calls(ops.counts) == attention_runs * 2 * layers, mode
+        assert attention_calls(ops.counts) == attention_runs * 2 * layers, mode
         # gelu: once per block forward and once more per recompute, plus the text embedder's.
         assert ops.counts["gelu"] == ffn_runs * layers + 1, mode
         assert torch.equal(loss, want_loss), mode

@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra_compose import compose_train
 
 pytest.importorskip("diffusers")
 
 import lightning.pytorch as pl  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-from hydra.core.global_hydra import GlobalHydra  # noqa: E402
 from hydra.utils import instantiate  # noqa: E402
 from lightning.fabric.utilities.exceptions import MisconfigurationException  # noqa: E402
 from omegaconf import OmegaConf, open_dict  # noqa: E402
@@ -292,17 +291,7 @@ def test_family_arguments_are_checked_in_one_line():
     assert DiffusersWanModule(dict(_node("diffusers_wan2_1_tiny").transformer)).family.name == "wan"  # the default
 
 
-def _compose_train(overrides, tmp_path):
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
-    with open_dict(cfg):
-        cfg.trainer.devices = 1
-        cfg.output_dir = str(tmp_path)
-        cfg.hydra.runtime.output_dir = str(tmp_path)
-        cfg.callbacks.shape_benchmark.cache_dir = str(tmp_path / "cache")
-        cfg.callbacks.shape_benchmark.save_dir = str(tmp_path)
-    return cfg
+_compose_train = compose_train
 
 
 # ~4 s on an idle 2-core CPU (profiles two shapes), ~10 s beside other jobs.

@@ -2,6 +2,7 @@ import math
 
 import pytest
 import torch
+from op_counts import CountOps, attention_calls
 from torch import nn
 
 from lightning_adaptiveload.models.wan import (
@@ -300,22 +301,6 @@ def test_gradient_checkpointing_gives_same_gradients():
             torch.testing.assert_close(grads[0][name], other[name], msg=name)
 
 
-class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts ATen calls by name (forward and backward, recomputation included)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
-def _attention_calls(counts: dict[str, int]) -> int:
-    return sum(n for name, n in counts.items() if name.startswith("_scaled_dot_product") and "backward" not in name)
-
 
 @pytest.mark.parametrize(("mode", "attention_runs", "ffn_runs"), [("none", 1, 1), ("selective", 1, 2), ("full", 2, 2)])
 def test_checkpointing_modes_recompute_what_they_say(mode, attention_runs, ffn_runs):
@@ -325,10 +310,10 @@ def test_checkpointing_modes_recompute_what_they_say(mode, attention_runs, ffn_r
     model.set_gradient_checkpointing(mode)
     assert all(block.checkpointing == mode for block in model.blocks)
     x, t, ctx = _inputs(model, 2, (2, 4, 4))
-    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION), _CountOps() as ops:
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION), CountOps() as ops:
         model(x, t, ctx).square().mean().backward()
     per_pass = 2 * model.config.num_layers  # self- and cross-attention in every block
-    assert _attention_calls(ops.counts) == attention_runs * per_pass
+    assert attention_calls(ops.counts) == attention_runs * per_pass
     # gelu runs once per block forward (once more per recompute), plus once in the text MLP.
     assert ops.counts["gelu"] == ffn_runs * model.config.num_layers + 1
 
