@@ -65,6 +65,10 @@ _FIELDS = ("step_time", "forward_time", "compute", "tokens", "peak_mem", "flops"
            "overhead")
 # Per batch shape, the training step times kept for `observations` (their medians; the most recent ones).
 _SHAPE_SAMPLES = 256
+#: A rank's batch is taken to bound the step when its predicted compute is at least this fraction of the
+#: step's largest: the cost-balanced sampler groups each step's batches to within a few percent, so the
+#: ranks of a balanced step all count, and a rank far below the others (a remainder batch) does not.
+_BOUNDING = 0.9
 
 
 def batch_shape_of(pl_module: Any, batch: Any) -> tuple[int, int]:
@@ -359,12 +363,20 @@ class BalanceMonitor(Callback):
         self._t_end = time.perf_counter()
 
     def _observe(self, rows: np.ndarray) -> None:
-        """Per data-parallel batch shape of the step, the slowest rank's step plus the wait before it."""
+        """Per data-parallel batch shape of the step, the slowest rank's step plus the wait before it.
+
+        Only the shapes of the ranks whose predicted compute bounds the step (within :data:`_BOUNDING` of the
+        step's largest) are observed: a rank with less work waits for the others at the gradient all-reduce,
+        so its step time is theirs, not its shape's (with two ranks, a remainder batch beside a full one
+        measured 1.6x its own cost). Without a cost model every shape is observed."""
         cycle = rows[:, 0] + rows[:, 6]
         self._overheads.append(float(rows[:, 14].max()))
         shapes = rows[:, 12:14].astype(np.int64)
-        for b, s in {tuple(v) for v in shapes.tolist() if v[0] > 0}:
-            mine = (shapes[:, 0] == b) & (shapes[:, 1] == s)
+        comp = rows[:, 2]
+        bounding = comp >= _BOUNDING * comp.max() if np.isfinite(comp).all() and comp.max() > 0 else np.ones(
+            len(rows), dtype=bool)
+        for b, s in {tuple(v) for v, keep in zip(shapes.tolist(), bounding, strict=True) if v[0] > 0 and keep}:
+            mine = (shapes[:, 0] == b) & (shapes[:, 1] == s) & bounding
             key = (int(b), int(s))
             self._shape_cycles.setdefault(key, deque(maxlen=_SHAPE_SAMPLES)).append(float(cycle[mine].max()))
             self._shape_counts[key] = self._shape_counts.get(key, 0) + 1

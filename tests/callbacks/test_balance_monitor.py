@@ -486,3 +486,22 @@ def test_history_keeps_the_last_steps_and_the_means_all_of_them():
     none = BalanceMonitor(history_steps=0)
     none._accumulate(np.array([[1.0, 1.0, 1.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0, 0.0]]))
     assert len(none.history) == 0 and none.summary()["steps"] == 1.0
+
+
+def test_a_rank_that_waited_for_the_others_does_not_observe_its_shape():
+    # Two ranks: a full batch (predicted 0.10 s) beside a remainder (0.02 s). The remainder's rank waits at the
+    # gradient all-reduce, so its step time (0.11 s) is the full batch's, not its own shape's cost.
+    from lightning_adaptiveload.callbacks.balance_monitor import _FIELDS
+
+    col = {name: i for i, name in enumerate(_FIELDS)}
+
+    def row(b, s, step, predicted):
+        r = np.zeros(len(_FIELDS))
+        r[[col["step_time"], col["compute"], col["batch_size"], col["seq_len"]]] = step, predicted, b, s
+        return r
+
+    monitor = BalanceMonitor(print_report=False)
+    for _ in range(3):
+        monitor._observe(np.stack([row(256, 16, 0.11, 0.10), row(32, 16, 0.11, 0.02)]))
+    monitor._observe(np.stack([row(32, 16, 0.03, 0.02), row(30, 16, 0.031, 0.019)]))  # balanced: both count
+    assert monitor.observations(min_steps=1) == [(30, 16, 0.031, 1), (32, 16, 0.03, 1), (256, 16, 0.11, 3)]
