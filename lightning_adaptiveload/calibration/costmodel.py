@@ -273,6 +273,9 @@ class CostModel:
             for ``"auto"`` fits the held-out error of every form tried (``heldout_<form>``).
         corrections: ``{S: factor}``: the prediction at exactly sequence length ``S`` is the form's times
             ``factor`` (measured in training; see the module docstring). Empty for a profiled model.
+        offsets: ``{S: seconds}``: added to the corrected prediction at exactly ``S`` (non-negative): where
+            training measured a length at two or more batch sizes, its correction is ``factor·form + offset``,
+            the fixed cost a small batch of that length pays that the form's one floor does not hold.
         attention_tokens: ``{S: S_attn}``: the form is in the tokens attention sees (see the module
             docstring; :func:`token_table`); empty: ``S`` itself.
 
@@ -290,6 +293,7 @@ class CostModel:
     quality: dict[str, float] = field(default_factory=dict)
     corrections: dict[int, float] = field(default_factory=dict)
     attention_tokens: dict[int, int] = field(default_factory=dict)
+    offsets: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attention_tokens", token_table(dict(self.attention_tokens)))
@@ -324,9 +328,17 @@ class CostModel:
                 raise ValueError(f"`CostModel` correction {k!r}: {v!r} is not valid. Expected a sequence length "
                                  "(a positive integer) and a positive finite factor.")
             corrections[int(k)] = float(v)
+        offsets = {}
+        for k, v in dict(self.offsets).items():
+            if isinstance(k, bool) or int(k) != float(k) or int(k) < 1 or isinstance(v, bool) or not (
+                    isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"`CostModel` offset {k!r}: {v!r} is not valid. Expected a sequence length "
+                                 "(a positive integer) and a non-negative finite number of seconds.")
+            offsets[int(k)] = float(v)
         # Normalise order and types so equality and JSON are stable.
         object.__setattr__(self, "params", {k: float(self.params[k]) for k in names})
         object.__setattr__(self, "corrections", dict(sorted(corrections.items())))
+        object.__setattr__(self, "offsets", dict(sorted(offsets.items())))
 
     @classmethod
     def fit(cls, batch_sizes: Any, seq_lens: Any, times: Any, form: str = "auto",
@@ -414,6 +426,11 @@ class CostModel:
             factors = np.array(list(self.corrections.values()))
             idx = np.minimum(np.searchsorted(keys, s), len(keys) - 1)
             out = out * np.where(keys[idx] == s, factors[idx], 1.0)
+        if self.offsets:
+            keys = np.array(list(self.offsets), dtype=np.float64)
+            extra = np.array(list(self.offsets.values()))
+            idx = np.minimum(np.searchsorted(keys, s), len(keys) - 1)
+            out = out + np.where(keys[idx] == s, extra[idx], 0.0)
         return float(out) if out.ndim == 0 else out
 
     def scaled(self, factor: float) -> CostModel:
@@ -424,7 +441,8 @@ class CostModel:
             raise ValueError(f"`CostModel.scaled(factor={factor!r})` is not valid. Expected a positive finite number.")
         fixed = {"p", "k"}
         params = {k: v if k in fixed else v * float(factor) for k, v in self.params.items()}
-        return CostModel(self.form, params, dict(self.quality), dict(self.corrections), dict(self.attention_tokens))
+        return CostModel(self.form, params, dict(self.quality), dict(self.corrections), dict(self.attention_tokens),
+                         {k: v * float(factor) for k, v in self.offsets.items()})
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (see :meth:`to_json`)."""
@@ -437,6 +455,7 @@ class CostModel:
             **({"corrections": {str(k): v for k, v in self.corrections.items()}} if self.corrections else {}),
             **({"attention_tokens": {str(k): v for k, v in self.attention_tokens.items()}}
                if self.attention_tokens else {}),
+            **({"offsets": {str(k): v for k, v in self.offsets.items()}} if self.offsets else {}),
         }
 
     def to_json(self) -> str:
@@ -470,9 +489,16 @@ class CostModel:
             corrections = {int(k): v for k, v in corrections.items()}
         except ValueError as err:
             raise ValueError(f"CostModel JSON has corrections={corrections!r}. Expected integer keys.") from err
+        offsets = data.get("offsets") or {}  # absent: factors only (every record before the field)
+        if not isinstance(offsets, dict):
+            raise ValueError(f"CostModel JSON has offsets={offsets!r}. Expected an object of S: seconds.")
+        try:
+            offsets = {int(k): v for k, v in offsets.items()}
+        except ValueError as err:
+            raise ValueError(f"CostModel JSON has offsets={offsets!r}. Expected integer keys.") from err
         # absent: attention sees the video tokens (every record before the field)
         return cls(data.get("form"), params, quality, corrections,
-                   _table_from_json(data.get("attention_tokens"), "CostModel"))
+                   _table_from_json(data.get("attention_tokens"), "CostModel"), offsets)
 
     @classmethod
     def from_json(cls, text: str) -> CostModel:
@@ -501,7 +527,9 @@ class CostModel:
         held = self.quality.get("heldout_median_rel_error", float("nan"))
         fixes = ""
         if self.corrections:
-            fixes = ", measured in training at " + ", ".join(f"S={k:,} x{v:.2f}" for k, v in self.corrections.items())
+            fixes = ", measured in training at " + ", ".join(
+                f"S={k:,} x{v:.2f}" + (f" +{self.offsets[k] * 1e3:.3g} ms" if self.offsets.get(k) else "")
+                for k, v in self.corrections.items())
         attn = ""
         if self.attention_tokens:
             (s0, a0), (s1, a1) = next(iter(self.attention_tokens.items())), list(self.attention_tokens.items())[-1]

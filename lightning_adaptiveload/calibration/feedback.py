@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from scipy.optimize import least_squares
+from scipy.optimize import least_squares, lsq_linear
 
 import lightning_adaptiveload.calibration.derive as derive
 import lightning_adaptiveload.calibration.record as record
@@ -146,10 +146,12 @@ def _fit_with_corrections(merged: dict[tuple[int, int, str | None], float],
     """The form fitted to the base mode's points, the tiers' scales (the median ratio of a tier's points to
     it, as :func:`derive.fit_tiers` has them) and per-length corrections.
 
-    A length whose training median stays more than :data:`CORRECTION_REL` off the fit gets a correction
-    (measured / fitted) and its training points leave the fit, so one slow length does not bend the form
-    for the others (the profile's points of that length stay); repeated until the set of corrected lengths
-    settles. Where leaving them out would leave too few points to fit, they stay."""
+    A length where a training point stays more than :data:`CORRECTION_REL` off the fit gets a correction
+    and its training points leave the fit, so one slow length does not bend the form for the others (the
+    profile's points of that length stay); repeated until the set of corrected lengths settles. Where
+    leaving them out would leave too few points to fit, they stay. The correction is the median of
+    measured / fitted, or, where training measured the length at two or more batch sizes, ``factor · fitted
+    + offset`` fitted to them (:func:`_affine_correction`)."""
     n_min = len(PARAM_NAMES[form]) + 1
     corrected: set[int] = set()
     for _ in range(len({k[1] for k in points}) + 1):
@@ -168,17 +170,36 @@ def _fit_with_corrections(merged: dict[tuple[int, int, str | None], float],
             own = [(k, v) for k, v in used.items() if k[2] == t.mode]
             scales[t.mode] = 1.0 if t.mode == base_mode or not own else float(
                 np.median([v / float(fitted.predict(k[0], k[1])) for k, v in own]))
-        by_len: dict[int, list[float]] = {}
+        by_len: dict[int, list[tuple[int, float, float]]] = {}  # S -> (B, priced, measured)
         for k, o in points.items():
             priced = float(fitted.predict(k[0], k[1])) * scales.get(k[2], 1.0)  # type: ignore[arg-type]
-            by_len.setdefault(k[1], []).append(o.median_seconds / priced)
-        ratios = {s: float(np.median(r)) for s, r in by_len.items()}
-        found = {s for s, r in ratios.items() if abs(r - 1) > CORRECTION_REL}
+            by_len.setdefault(k[1], []).append((k[0], priced, o.median_seconds))
+        found = {s for s, r in by_len.items() if max(abs(t / p - 1) for _, p, t in r) > CORRECTION_REL}
         if found == corrected:
             break
         corrected = found
-    corrections = {s: ratios[s] for s in sorted(found)}
-    return CostModel(fitted.form, fitted.params, fitted.quality, corrections, fitted.attention_tokens), scales
+    fixes = {s: _affine_correction(by_len[s]) for s in sorted(found)}
+    return CostModel(fitted.form, fitted.params, fitted.quality, {s: f for s, (f, _) in fixes.items()},
+                     fitted.attention_tokens, {s: o for s, (_, o) in fixes.items() if o > 0}), scales
+
+
+def _affine_correction(points: Sequence[tuple[int, float, float]]) -> tuple[float, float]:
+    """``(factor, offset_s)`` for one length from its training points ``(B, priced, measured)``: the median
+    ratio where they hold one batch size; with two or more, ``measured ≈ factor · priced + offset`` in relative
+    least squares with ``offset >= 0`` (a small batch's fixed cost the form's floor does not hold: with two
+    ranks on a CPU, 32 and 256 images of one length ran 1.6x and 1.1x the fit)."""
+    ratios = [t / p for _, p, t in points]
+    if len({b for b, _, _ in points}) < 2:
+        return float(np.median(ratios)), 0.0
+    priced = np.array([p for _, p, _ in points])
+    measured = np.array([t for _, _, t in points])
+    fit = lsq_linear(np.stack([priced / measured, 1.0 / measured], axis=1), np.ones(len(points)),
+                     bounds=([1e-9, 0.0], [np.inf, np.inf]))
+    factor, offset = (float(v) for v in fit.x)
+    median = float(np.median(ratios))
+    if not 0.5 * median <= factor <= 2.0 * median:  # the offset would stand for the length's whole cost
+        return median, 0.0
+    return factor, offset if offset > 1e-12 else 0.0
 
 
 def refit(cal: record.Calibration, observed: Sequence[Observation], *,

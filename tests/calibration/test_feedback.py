@@ -211,3 +211,33 @@ def test_refit_needs_an_observation_and_takes_plain_tuples():
     with pytest.raises(ValueError, match=r"refit\(observed=\[\]\)"):
         refit(cal, [])
     assert refit(cal, [(42, 1560, 0.8, 10, None)]).extra["provenance"]["training_points"] == 1
+
+
+def test_a_length_measured_at_two_batch_sizes_gets_a_factor_and_an_offset():
+    # One length paid a fixed cost the form's single floor does not hold (a remainder batch beside the full
+    # ones): 1.1 x TRUTH + 30 ms at both of its batch sizes. A factor alone would leave the two ratios apart.
+    cal = _calibration()
+    running = _running(cal)
+    slow = int(SEQ[0])
+    observed = _observed(running, lambda s: 1.0)
+    full = next(o for o in observed if o.seq_len == slow)
+    small = max(1, full.batch_size // 8)
+    observed = [o for o in observed if o.seq_len != slow] + [
+        Observation(b, slow, 1.1 * float(TRUTH.predict(b, slow)) + 0.03, 50) for b in (full.batch_size, small)]
+    # The time outside forward + backward is measured (as BalanceMonitor.overhead_s gives it), so the one
+    # length's fixed cost is not taken for every step's.
+    new = refit(cal, observed, overhead_s=0.0).cost_model
+    assert set(new.corrections) == {slow} == set(new.offsets)
+    assert new.corrections[slow] == pytest.approx(1.1, rel=1e-3) and new.offsets[slow] == pytest.approx(0.03, rel=1e-3)
+    for o in observed:
+        assert float(new.predict(o.batch_size, o.seq_len)) == pytest.approx(o.median_seconds, rel=1e-3)
+    assert f"S={slow:,} x1.10 +30 ms" in str(new)
+    again = CostModel.from_dict(new.to_dict())
+    assert again == new and float(new.scaled(2.0).predict(small, slow)) == pytest.approx(
+        2 * float(new.predict(small, slow)))
+    # One batch size at a length: a factor only, as before; a fit whose factor would leave the length's cost to
+    # the offset falls back to the factor.
+    from lightning_adaptiveload.calibration.feedback import _affine_correction
+
+    assert _affine_correction([(8, 0.5, 0.6), (8, 0.5, 0.7)]) == (pytest.approx(1.3), 0.0)
+    assert _affine_correction([(8, 0.5, 0.6), (64, 4.0, 0.61)]) == (pytest.approx((1.2 + 0.1525) / 2), 0.0)
