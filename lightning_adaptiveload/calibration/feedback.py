@@ -209,8 +209,8 @@ def refit(cal: record.Calibration, observed: Sequence[Observation], *,
     The cost model keeps ``cal``'s form; the tiers of per-bucket activation checkpointing keep their modes,
     ranges and memory models, and a tier other than the base mode gets its scale refitted from its own
     points (observations in its mode replace its profile points); the memory model, the measurements and
-    the key are kept. Observations of an earlier correction (``cal.extra["feedback"]``) are kept where no
-    new one replaces them, and the transfer is always fitted against the profile's own fit, so corrections
+    the key are kept. Observations of an earlier correction (``cal.extra["feedback"]``) are kept at the
+    lengths (and modes) the new ones do not measure, and the transfer is always fitted against the profile's own fit, so corrections
     do not compound. The result's ``extra["provenance"]`` is ``{"source": "corrected", "training_steps",
     "profiled_points", "training_points"}`` and ``extra["feedback"]`` holds the observations, the transfer
     (``overhead_s``, ``clock``) and the profile's own fit.
@@ -240,9 +240,14 @@ def refit(cal: record.Calibration, observed: Sequence[Observation], *,
         profile_cm, profile_tiers = cal.cost_model, list(tiers or [])
     profile = _Pricing(profile_cm, profile_tiers)
 
-    # Training's points, the newest per (B, S, mode).
+    # Training's points, the newest per (B, S, mode); an earlier run's points at a length this run measured
+    # are dropped (a batch size the plan no longer uses, timed under another run's conditions, would pull that
+    # length's correction).
+    fresh = {(o.seq_len, profile.mode_of(o.seq_len, o.mode)) for o in new_obs}
+    earlier = [o for o in (Observation.from_dict(d) for d in fb.get("observations", []))
+               if (o.seq_len, profile.mode_of(o.seq_len, o.mode)) not in fresh]
     points: dict[tuple[int, int, str | None], Observation] = {}
-    for o in [Observation.from_dict(d) for d in fb.get("observations", [])] + new_obs:
+    for o in earlier + new_obs:
         mode = profile.mode_of(o.seq_len, o.mode)
         points[(o.batch_size, o.seq_len, mode)] = Observation(o.batch_size, o.seq_len, o.median_seconds, o.steps, mode)
     obs = list(points.values())

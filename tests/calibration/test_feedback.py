@@ -121,8 +121,12 @@ def test_training_points_replace_the_profiles_and_a_second_correction_does_not_c
     assert np.allclose(twice.cost_model.predict(1, SEQ), 1.1 * TRUTH.predict(1, SEQ), rtol=1e-6)
     later = refit(once, _observed(running, lambda s: 1.2)[:1])
     assert len(later.extra["feedback"]["observations"]) == len(SEQ)
-    assert later.extra["feedback"]["observations"][0]["median_seconds"] == pytest.approx(
-        1.2 * TRUTH.predict(42, 1560))
+    (first,) = [o for o in later.extra["feedback"]["observations"] if (o["batch_size"], o["seq_len"]) == (42, 1560)]
+    assert first["median_seconds"] == pytest.approx(1.2 * TRUTH.predict(42, 1560))
+    # A later run that measured a length at another batch size: the earlier run's point of that length goes.
+    other = refit(once, [Observation(40, 1560, 1.2 * float(TRUTH.predict(40, 1560)), 40)])
+    kept = [(o["batch_size"], o["seq_len"]) for o in other.extra["feedback"]["observations"]]
+    assert (40, 1560) in kept and (42, 1560) not in kept and len(kept) == len(SEQ)
 
 
 def test_a_per_step_overhead_of_training_moves_the_intercept_only():
