@@ -381,11 +381,6 @@ def _generic_block_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     # A non-Wan family's block: its own forward under the block's checkpointing mode (an attribute, so a
     # compiled block guards on it: one graph per mode). Keyword arguments ride in the checkpointed function.
     body = self._checkpointed_body
-    if getattr(self, "drop_attention_mask", False):  # the family says its joint mask is all true (HunyuanVideo)
-        if "attention_mask" in kwargs:
-            kwargs = {**kwargs, "attention_mask": None}
-        elif len(args) > 3:  # HunyuanVideo's blocks: (hidden_states, encoder_hidden_states, temb, attention_mask, ...)
-            args = (*args[:3], None, *args[4:])
     if kwargs:
         body = functools.partial(body, **kwargs)
     return _checkpointing.run_checkpointed(body, self.checkpointing, *args)
@@ -728,6 +723,7 @@ class DiffusersVideoModule(RectifiedFlowModule):
 
     def _prepare_blocks(self, model: nn.Module) -> None:
         set_block_checkpointing(model, self._initial_checkpointing(), self.family.block_classes)
+        self.family.prepare_model(model)
         if self._attention_backend != "sdpa":
             self._set_model_attention(self._attention_backend, model)
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from diffusers.models.transformers.cogvideox_transformer_3d import CogVideoXBlock, CogVideoXTransformer3DModel
 from diffusers.models.transformers.transformer_hunyuan_video import (
+    HunyuanVideoAttnProcessor2_0,
     HunyuanVideoSingleTransformerBlock,
     HunyuanVideoTokenReplaceSingleTransformerBlock,
     HunyuanVideoTokenReplaceTransformerBlock,
@@ -91,6 +92,9 @@ class VideoFamily:
 
     def check_config(self, config: Mapping[str, Any], owner: str) -> None:
         """Refuse configs the adapter cannot train (one line naming the key and the fix)."""
+
+    def prepare_model(self, model: nn.Module) -> None:
+        """Once, after the model is built (or loaded) and its blocks set up: the family's own changes to it."""
 
     def check_text_len(self, config: Mapping[str, Any], text_len: int, owner: str) -> None:
         """Refuse a context length the model cannot take."""
@@ -168,20 +172,42 @@ class _HunyuanVideo(VideoFamily):
             guidance = torch.full((x.shape[0],), float(options["guidance_scale"]) * 1000.0, device=x.device,
                                   dtype=x.dtype)
         mask = self.mask(extras, context)
-        # diffusers builds a [B, 1, 1, S + L] joint mask even when every text token is real, and a masked SDPA
-        # cannot use the flash or cuDNN kernels; an all-true mask is dropped at the blocks (one host sync a step
-        # when the batch carries a mask), which computes the same attention.
-        dense = self.all_text_real(extras, mask)
-        for block in (*model.transformer_blocks, *model.single_transformer_blocks):
-            block.drop_attention_mask = dense
+        processor = model.__dict__.get(_JOINT_PROCESSOR)
+        if processor is not None:  # one host sync a step when the batch carries a mask
+            processor.drop_mask = self.all_text_real(extras, mask)
         return model(x, t, context, mask, extras[POOLED].to(x.dtype), guidance=guidance, return_dict=False)[0]
 
+    def prepare_model(self, model: nn.Module) -> None:
+        # diffusers builds a [B, 1, 1, S + L] joint mask even when every text token is real, and a masked SDPA
+        # cannot use the flash or cuDNN kernels: the blocks' attention goes through one shared processor that
+        # drops the mask when predict() found every text token real (the same attention).
+        processor = _JointMaskProcessor()
+        for block in (*model.transformer_blocks, *model.single_transformer_blocks):
+            for attn in block.modules():
+                if type(getattr(attn, "processor", None)) is HunyuanVideoAttnProcessor2_0:
+                    attn.set_processor(processor)
+        model.__dict__[_JOINT_PROCESSOR] = processor
 
     @staticmethod
     def all_text_real(extras: Mapping[str, torch.Tensor], mask: torch.Tensor) -> bool:
-        """Whether every text token of the batch is real (no mask given, or an all-ones one; on the meta device,
-        where FLOPs are counted, the mask's values are unknown and do not change them)."""
-        return CONTEXT_MASK not in extras or mask.is_meta or bool(mask.all())
+        """Whether every text token of the batch is real (no mask given, or an all-ones one)."""
+        return CONTEXT_MASK not in extras or bool(mask.all())
+
+
+#: Where a prepared HunyuanVideo keeps its blocks' shared attention processor (outside the module tree).
+_JOINT_PROCESSOR = "_adaptiveload_joint_processor"
+
+
+class _JointMaskProcessor(HunyuanVideoAttnProcessor2_0):
+    """diffusers' HunyuanVideo attention without its joint mask while ``drop_mask`` is set (every text token
+    real: the mask is all true)."""
+
+    drop_mask = False
+
+    def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None, image_rotary_emb: Any = None) -> torch.Tensor:
+        return super().__call__(attn, hidden_states, encoder_hidden_states,
+                                None if self.drop_mask else attention_mask, image_rotary_emb)
 
 
 class _CogVideoX(VideoFamily):
