@@ -260,6 +260,39 @@ def _quality(form: str, params: dict[str, float], b: np.ndarray, s: np.ndarray, 
     }
 
 
+def _length_table(table: Any, what: str, expected: str, valid: Any) -> dict[int, float]:
+    """``{S: value}`` checked (``S`` a positive integer, the value finite and ``valid``) and sorted by ``S``."""
+    out = {}
+    for k, v in dict(table).items():
+        if isinstance(k, bool) or int(k) != float(k) or int(k) < 1 or isinstance(v, bool) or not (
+                isinstance(v, (int, float)) and math.isfinite(v) and valid(v)):
+            raise ValueError(f"`CostModel` {what} {k!r}: {v!r} is not valid. Expected a sequence length "
+                             f"(a positive integer) and {expected}.")
+        out[int(k)] = float(v)
+    return dict(sorted(out.items()))
+
+
+def _at_lengths(table: dict[int, float], s: np.ndarray, default: float) -> np.ndarray | float:
+    """``table[S]`` where ``s`` is exactly a key, ``default`` elsewhere (broadcast over ``s``)."""
+    if not table:
+        return default
+    keys = np.array(list(table), dtype=np.float64)
+    values = np.array(list(table.values()))
+    idx = np.minimum(np.searchsorted(keys, s), len(keys) - 1)
+    return np.where(keys[idx] == s, values[idx], default)
+
+
+def _lengths_from_json(data: dict[str, Any], key: str, unit: str) -> dict[int, Any]:
+    """``data[key]`` (``{"S": value}``, absent: empty) with integer keys, or a one-line error."""
+    table = data.get(key) or {}
+    if not isinstance(table, dict):
+        raise ValueError(f"CostModel JSON has {key}={table!r}. Expected an object of S: {unit}.")
+    try:
+        return {int(k): v for k, v in table.items()}
+    except ValueError as err:
+        raise ValueError(f"CostModel JSON has {key}={table!r}. Expected integer keys.") from err
+
+
 @dataclass(frozen=True)
 class CostModel:
     """A fitted step-latency model ``t(B, S)`` in seconds.
@@ -321,24 +354,12 @@ class CostModel:
                 f"`CostModel(form={self.form!r}, params={self.params!r})` predicts a step time that does not "
                 "grow with the batch; expected a positive per-token cost."
             )
-        corrections = {}
-        for k, v in dict(self.corrections).items():
-            if isinstance(k, bool) or int(k) != float(k) or int(k) < 1 or isinstance(v, bool) or not (
-                    isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise ValueError(f"`CostModel` correction {k!r}: {v!r} is not valid. Expected a sequence length "
-                                 "(a positive integer) and a positive finite factor.")
-            corrections[int(k)] = float(v)
-        offsets = {}
-        for k, v in dict(self.offsets).items():
-            if isinstance(k, bool) or int(k) != float(k) or int(k) < 1 or isinstance(v, bool) or not (
-                    isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-                raise ValueError(f"`CostModel` offset {k!r}: {v!r} is not valid. Expected a sequence length "
-                                 "(a positive integer) and a non-negative finite number of seconds.")
-            offsets[int(k)] = float(v)
         # Normalise order and types so equality and JSON are stable.
         object.__setattr__(self, "params", {k: float(self.params[k]) for k in names})
-        object.__setattr__(self, "corrections", dict(sorted(corrections.items())))
-        object.__setattr__(self, "offsets", dict(sorted(offsets.items())))
+        object.__setattr__(self, "corrections", _length_table(self.corrections, "correction", "a positive finite factor",
+                                                              lambda v: v > 0))
+        object.__setattr__(self, "offsets", _length_table(self.offsets, "offset",
+                                                          "a non-negative finite number of seconds", lambda v: v >= 0))
 
     @classmethod
     def fit(cls, batch_sizes: Any, seq_lens: Any, times: Any, form: str = "auto",
@@ -421,16 +442,7 @@ class CostModel:
         b = np.asarray(batch_size, dtype=np.float64)
         s = np.asarray(seq_len, dtype=np.float64)
         out = _predict(self.form, np.array(list(self.params.values())), b, map_tokens(self.attention_tokens, s))
-        if self.corrections:
-            keys = np.array(list(self.corrections), dtype=np.float64)
-            factors = np.array(list(self.corrections.values()))
-            idx = np.minimum(np.searchsorted(keys, s), len(keys) - 1)
-            out = out * np.where(keys[idx] == s, factors[idx], 1.0)
-        if self.offsets:
-            keys = np.array(list(self.offsets), dtype=np.float64)
-            extra = np.array(list(self.offsets.values()))
-            idx = np.minimum(np.searchsorted(keys, s), len(keys) - 1)
-            out = out + np.where(keys[idx] == s, extra[idx], 0.0)
+        out = out * _at_lengths(self.corrections, s, 1.0) + _at_lengths(self.offsets, s, 0.0)
         return float(out) if out.ndim == 0 else out
 
     def scaled(self, factor: float) -> CostModel:
@@ -482,20 +494,9 @@ class CostModel:
         if not isinstance(quality, dict):
             raise ValueError(f"CostModel JSON has quality={quality!r}. Expected an object of numbers.")
         quality = {k: float("nan") if v is None else float(v) for k, v in quality.items()}
-        corrections = data.get("corrections") or {}  # absent: a profiled model, or a record before corrections
-        if not isinstance(corrections, dict):
-            raise ValueError(f"CostModel JSON has corrections={corrections!r}. Expected an object of S: factor.")
-        try:
-            corrections = {int(k): v for k, v in corrections.items()}
-        except ValueError as err:
-            raise ValueError(f"CostModel JSON has corrections={corrections!r}. Expected integer keys.") from err
-        offsets = data.get("offsets") or {}  # absent: factors only (every record before the field)
-        if not isinstance(offsets, dict):
-            raise ValueError(f"CostModel JSON has offsets={offsets!r}. Expected an object of S: seconds.")
-        try:
-            offsets = {int(k): v for k, v in offsets.items()}
-        except ValueError as err:
-            raise ValueError(f"CostModel JSON has offsets={offsets!r}. Expected integer keys.") from err
+        # absent: a profiled model, or a record before corrections (offsets: before that field)
+        corrections = _lengths_from_json(data, "corrections", "factor")
+        offsets = _lengths_from_json(data, "offsets", "seconds")
         # absent: attention sees the video tokens (every record before the field)
         return cls(data.get("form"), params, quality, corrections,
                    _table_from_json(data.get("attention_tokens"), "CostModel"), offsets)

@@ -210,8 +210,8 @@ def refit(cal: record.Calibration, observed: Sequence[Observation], *,
     ranges and memory models, and a tier other than the base mode gets its scale refitted from its own
     points (observations in its mode replace its profile points); the memory model, the measurements and
     the key are kept. Observations of an earlier correction (``cal.extra["feedback"]``) are kept at the
-    lengths (and modes) the new ones do not measure, and the transfer is always fitted against the profile's own fit, so corrections
-    do not compound. The result's ``extra["provenance"]`` is ``{"source": "corrected", "training_steps",
+    lengths (and modes) the new ones do not measure, and the transfer is always fitted against the
+    profile's own fit, so corrections do not compound. The result's ``extra["provenance"]`` is ``{"source": "corrected", "training_steps",
     "profiled_points", "training_points"}`` and ``extra["feedback"]`` holds the observations, the transfer
     (``overhead_s``, ``clock``) and the profile's own fit.
 
