@@ -63,8 +63,8 @@ def compare(ref: dict[int, float], run: dict[int, float]) -> dict[str, Any]:
 def verdict(comparisons: list[dict[str, Any]], backends: list[str]) -> dict[str, Any]:
     """Whether every candidate (a backend other than the reference) is within the reference repeats' spread."""
     ref = backends[0]
-    repeats = [c for c, b in zip(comparisons, backends[1:]) if b == ref]
-    candidates = [(c, b) for c, b in zip(comparisons, backends[1:]) if b != ref]
+    repeats = [c for c, b in zip(comparisons, backends[1:], strict=True) if b == ref]
+    candidates = [(c, b) for c, b in zip(comparisons, backends[1:], strict=True) if b != ref]
     if not repeats or not candidates:
         return {"within_spread": None, "why": f"needs a repeat of {ref} and a candidate"}
     spread = {k: max(c[k] for c in repeats) for k in ("mean_rel_diff", "tail_mean_rel_diff")}
@@ -74,6 +74,14 @@ def verdict(comparisons: list[dict[str, Any]], backends: list[str]) -> dict[str,
     ok = all(c[k] <= spread[k] for c, _ in candidates for k in spread)
     return {"within_spread": ok, "spread": spread,
             "why": "candidate's mean per-step and last-half-mean relative differences <= the largest repeat's"}
+
+
+def pairwise(series: list[dict[int, float]], backends: list[str]) -> list[dict[str, Any]]:
+    """Every pair of runs (``i < j``): the two statistics of :func:`compare` (with one repeat of the reference,
+    the spread is a single pair, so the candidate's distance to each reference run is worth seeing)."""
+    return [{"runs": [i, j], "backends": [backends[i], backends[j]],
+             **{k: v for k, v in compare(series[i], series[j]).items() if k in ("mean_rel_diff", "tail_mean_rel_diff")}}
+            for i in range(len(series)) for j in range(i + 1, len(series))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,11 +116,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"run {i + 1}/{len(args.runs)} model.attention={backend}: {len(series[-1])} steps, "
                   f"last loss {series[-1][max(series[-1])]:.5f}, {walls[-1]:.0f} s", flush=True)
     comparisons = [compare(series[0], s) for s in series[1:]]
-    for b, c in zip(args.runs[1:], comparisons):
+    for b, c in zip(args.runs[1:], comparisons, strict=True):
         print(f"{b} vs {args.runs[0]}: mean |dl|/l {c['mean_rel_diff']:.2e} (p95 {c['p95_rel_diff']:.2e}), "
               f"last-half mean {c['tail_mean_rel_diff']:.2e}, {c['identical_steps']}/{c['steps']} steps identical")
     result = {"name": args.name, "overrides": args.overrides, "runs": args.runs, "wall_s": walls,
-              "comparisons": [{"run": b, "against": args.runs[0], **c} for b, c in zip(args.runs[1:], comparisons)],
+              "comparisons": [{"run": b, "against": args.runs[0], **c} for b, c in zip(args.runs[1:], comparisons, strict=True)],
+              "pairwise": pairwise(series, args.runs),
               "verdict": verdict(comparisons, args.runs),
               "losses": [[series[i][s] for s in sorted(series[i])] for i in range(len(series))],
               "how": "adaptiveload-train subprocesses, one seed, per-step train/loss from the CSV log"}
