@@ -33,3 +33,15 @@ def _isolate_distributed_state():
         torch.distributed.destroy_process_group()
     os.environ.clear()
     os.environ.update(env)
+
+
+@pytest.fixture(autouse=True)
+def _isolate_deterministic_mode():
+    """Undo torch's deterministic mode where a test turned it on (``Trainer(deterministic=True)`` sets it for
+    the process and leaves it set). Left on, every later ``torch.empty`` fills its memory (torch's
+    ``fill_uninitialized_memory``), and tests that count the kernels of a step see fills that are not theirs."""
+    state = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    yield
+    torch.use_deterministic_algorithms(state[0], warn_only=state[1])
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = state[2], state[3]
