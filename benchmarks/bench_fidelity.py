@@ -46,16 +46,18 @@ def losses(out: Path) -> dict[int, float]:
 
 
 def compare(ref: dict[int, float], run: dict[int, float]) -> dict[str, Any]:
-    """Per-step relative loss difference (mean, p95, max) over the common steps and the relative difference
-    of the mean loss over their last half."""
+    """Per-step relative loss difference (mean, p95, max, and the mean over the first quarter of the steps)
+    over the common steps, and the relative difference of the mean loss over their last half."""
     steps = sorted(set(ref) & set(run))
     if not steps:
         raise ValueError("the runs share no logged step")
-    rel = sorted(abs(run[s] - ref[s]) / abs(ref[s]) for s in steps)
+    per_step = [abs(run[s] - ref[s]) / abs(ref[s]) for s in steps]
+    rel = sorted(per_step)
+    early = per_step[:max(1, len(steps) // 4)]  # before the runs drift apart: the kernels' own difference
     tail = steps[len(steps) // 2:]
     ref_tail, run_tail = statistics.fmean(ref[s] for s in tail), statistics.fmean(run[s] for s in tail)
     return {"steps": len(steps), "mean_rel_diff": statistics.fmean(rel), "p95_rel_diff": rel[int(0.95 * (len(rel) - 1))],
-            "max_rel_diff": rel[-1], "identical_steps": sum(r == 0.0 for r in rel),
+            "max_rel_diff": rel[-1], "first_quarter_mean_rel_diff": statistics.fmean(early), "identical_steps": sum(r == 0.0 for r in rel),
             "tail_mean_loss_ref": ref_tail, "tail_mean_loss": run_tail,
             "tail_mean_rel_diff": abs(run_tail - ref_tail) / abs(ref_tail)}
 
@@ -80,7 +82,8 @@ def pairwise(series: list[dict[int, float]], backends: list[str]) -> list[dict[s
     """Every pair of runs (``i < j``): the two statistics of :func:`compare` (with one repeat of the reference,
     the spread is a single pair, so the candidate's distance to each reference run is worth seeing)."""
     return [{"runs": [i, j], "backends": [backends[i], backends[j]],
-             **{k: v for k, v in compare(series[i], series[j]).items() if k in ("mean_rel_diff", "tail_mean_rel_diff")}}
+             **{k: v for k, v in compare(series[i], series[j]).items() if k in ("mean_rel_diff", "tail_mean_rel_diff", "first_quarter_mean_rel_diff",
+                                                             "tail_mean_loss_ref", "tail_mean_loss")}}
             for i in range(len(series)) for j in range(i + 1, len(series))]
 
 

@@ -179,7 +179,7 @@ def figures() -> dict[str, str]:
     on = recipe_record("recipe_mixed_fusion_on_slices_h200x1.log")["result"]["log_summary"]["training"]
     f["mix_order_on.mfu"] = f"{on['mfu_pct']}"
     cl = load_result(RESULTS / "closed_loop.json", benchmark="bench_closed_loop.py")
-    first = cl["on"]["decisions"][0]
+    first = cl["on"]["decisions"][-1]  # the last check: the most steps
     f["closed_loop.before"] = f"{min(first['ratio_before']):.2f}–{max(first['ratio_before']):.2f}"
     f["closed_loop.after"] = f"{min(first['ratio_after']):.2f}–{max(first['ratio_after']):.2f}"
     f["closed_loop.epoch_error"] = f"{abs(cl['predicted_over_measured_epoch'] - 1):.1%}"
@@ -276,8 +276,55 @@ def attention() -> str:
     return "\n".join(out)
 
 
+def _backend(run: dict) -> str:
+    """The attention ``auto`` chose, from the run's logged choice (``sdpa`` when FA4 did not import)."""
+    line = (run.get("attention") or [""])[-1]
+    return "fa4" if "fa4 at" in line else "sdpa" if line else "not recorded"
+
+
+def _band(per_shape: list[dict], min_steps: int) -> str:
+    r = [p["measured_over_predicted"] for p in per_shape if p["steps"] >= min_steps]
+    return f"{min(r):.2f}–{max(r):.2f} ({len(r)})" if r else "–"
+
+
+def closed_loop() -> str:
+    """docs/benchmarks.md: every ``bench_closed_loop.py`` record, the closed loop off beside on."""
+    out = ["| recipe | attention | steps | off: tokens/s (MFU) | on: tokens/s (MFU) | on / off: tokens/s, MFU | measured/predicted per "
+           "shape, off → on (shapes with >= 3 steps) | on, 1-2 steps | on: predicted / measured epoch | commit |",
+           "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for rec in read_records(RESULTS / "closed_loop.json"):
+        if rec["benchmark"] != "bench_closed_loop.py":
+            continue
+        res, off, on = rec["result"], rec["result"]["off"], rec["result"]["on"]
+        steps = next(o.split("=")[1] for o in res["overrides"] if o.startswith("trainer.max_steps="))
+        mfu = {k: f" ({r['mfu']:.1%})" if r.get("mfu") else "" for k, r in (("off", off), ("on", on))}
+        few = [p["measured_over_predicted"] for p in on["per_shape"] if p["steps"] < 3]
+        few_s = f"{min(few):.2f}–{max(few):.2f} ({len(few)})" if few else "–"
+        ratio = f"{res['on_over_off_tokens_per_s']:.3f}" + (f", {on['mfu'] / off['mfu']:.3f}" if off.get("mfu") else "")
+        out.append(f"| {res['name']} | {_backend(off)} | {steps} | {off['tokens_per_s']:,.0f}{mfu['off']} "
+                   f"| {on['tokens_per_s']:,.0f}{mfu['on']} | {ratio} "
+                   f"| {_band(off['per_shape'], 3)} → {_band(on['per_shape'], 3)} | {few_s} "
+                   f"| {res['predicted_over_measured_epoch']:.3f} | {_short(rec['commit'])} |")  # fmt: skip
+    return "\n".join(out)
+
+
+def fidelity() -> str:
+    """docs/attention.md: the last ``bench_fidelity.py`` record, every pair of runs."""
+    rec = read_records(RESULTS / "fidelity.json")[-1]
+    res = rec["result"]
+    out = ["| runs | mean per-step \\|Δloss\\| / loss | the same over the first quarter of the steps "
+           "| last-half mean loss, relative difference | commit |",
+           "|---|---|---|---|---|"]
+    for p in res["pairwise"]:
+        (i, j), (a, b) = p["runs"], p["backends"]
+        out.append(f"| {a} (run {i + 1}) vs {b} (run {j + 1}) | {p['mean_rel_diff']:.2e} "
+                   f"| {p['first_quarter_mean_rel_diff']:.2e} | {p['tail_mean_rel_diff']:.2e} "
+                   f"| {_short(rec['commit'])} |")
+    return "\n".join(out)
+
+
 TABLES = {"peers": peers, "attention": attention, "recipes": recipes, "speed": speed, "simulate": simulate, "adaln": adaln, "sampler": sampler,
-          "breakdown": breakdown}  # fmt: skip
+          "breakdown": breakdown, "closed_loop": closed_loop, "fidelity": fidelity}  # fmt: skip
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or list(TABLES):

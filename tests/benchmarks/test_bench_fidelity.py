@@ -16,6 +16,7 @@ def test_compare_is_the_stated_statistics():
     assert c["steps"] == 4 and c["identical_steps"] == 1
     assert c["mean_rel_diff"] == pytest.approx((0 + 0.1 + 0.1 + 0.1) / 4)
     assert c["max_rel_diff"] == pytest.approx(0.1)
+    assert c["first_quarter_mean_rel_diff"] == 0.0  # step 0 only
     # The last half is steps 2 and 3: means 2.5 and 2.65.
     assert c["tail_mean_rel_diff"] == pytest.approx(0.15 / 2.5)
 
