@@ -97,7 +97,8 @@ def _fit(tmp_path, module, *, ckpt=None, every=10, callbacks=(), **limits):
                                    cache_dir=tmp_path / "cache")
     monitor = BalanceMonitor(print_report=False, synchronize=False)
     dm = AdaptiveLoadDataModule(Grids(), DualConstraintPolicy(2048, 1.0, 1.0), seed=2, print_plan=False)
-    trainer = Trainer(default_root_dir=tmp_path, accelerator="cpu", devices=1, logger=False,
+    limits.setdefault("devices", 1)
+    trainer = Trainer(default_root_dir=tmp_path, accelerator="cpu", logger=False, use_distributed_sampler=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                       callbacks=[bench, monitor, seen, *callbacks], enable_checkpointing=bool(callbacks), **limits)
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt)
@@ -219,3 +220,85 @@ def test_sigkill_after_a_re_plan_then_resume_keeps_every_sample_once(tmp_path):
     for epoch, counts in _per_epoch(before, rest).items():
         assert set(counts) == set(range(N)) and sum(counts.values()) == N, epoch
     assert set(_per_epoch(before, rest)) == {0, 1}
+
+
+_KILLED_RUN_2_RANKS = """
+import json, sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import ModelCheckpoint
+from test_closed_loop import SleepModule, _fit
+
+class Tape(Callback):  # every batch of this rank with its step, on disk before the next step starts
+    def __init__(self, path):
+        self.path, self.file = path, None
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.file is None:
+            self.file = open(f"{{self.path}}.{{trainer.global_rank}}", "a")
+        self.file.write(json.dumps([trainer.global_step, trainer.datamodule.sampler.epoch,
+                                    batch["index"].tolist()]) + "\\n")
+        self.file.flush()
+
+saver = ModelCheckpoint(dirpath={ckpts!r}, filename="{{step}}", every_n_train_steps={save}, save_top_k=-1)
+_fit(Path({work!r}), SleepModule(extra=0.03), every=10, callbacks=[saver, Tape({tape!r})], max_epochs=2,
+     devices=2, strategy="ddp")
+"""
+
+
+@pytest.mark.slow  # ~25 s on a 2-core CPU: two gloo ranks killed after their re-plan, then a resume on one process
+def test_two_ranks_killed_after_a_re_plan_resume_on_one_process_and_keep_every_sample_once(tmp_path):
+    # torchrun starts 2 CPU ranks (DDP over gloo). The closed loop re-plans both at step 10 (epoch 0 is 17 steps
+    # at W = 2), a checkpoint follows at step 13, and the whole process group is killed with SIGKILL a few steps
+    # later, still inside epoch 0. The resume runs on ONE process (another world size): the samples the two
+    # ranks drew up to step 13 plus those the resume draws are every sample once, in epoch 0 and in epoch 1.
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    save, tape, ckpts = 13, tmp_path / "tape", tmp_path / "c"
+    script = tmp_path / "run.py"
+    script.write_text(_KILLED_RUN_2_RANKS.format(tests=str(Path(__file__).parent), ckpts=str(ckpts), save=save,
+                                                 work=str(tmp_path / "a"), tape=str(tape)))
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK",
+                                                            "WORLD_SIZE", "NODE_RANK")}  # fmt: skip
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(script)], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)  # its own process group: the kill reaches both ranks
+
+    def rows(rank: int) -> list:
+        path = Path(f"{tape}.{rank}")
+        return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("]")] if path.exists() else []
+
+    deadline = time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (ckpts / f"step={save}.ckpt").exists() and all(rows(r) and rows(r)[-1][0] >= save + 2 for r in (0, 1)):
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, f"the run ended before it could be killed: {proc.stderr.read().decode()[-3000:]}"
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    tapes = {r: rows(r) for r in (0, 1)}
+    assert all(t[-1][0] > save and t[-1][1] == 0 for t in tapes.values()), "killed inside epoch 0, after the checkpoint"
+    ckpt = torch.load(ckpts / f"step={save}.ckpt", weights_only=False)
+    segments = ckpt["AdaptiveLoadDataModule"]["sampler"]["segments"]
+    assert any(len(seg) == 3 and seg[0] == 2 for seg in segments)  # re-planned at W = 2 before the checkpoint
+    bench, _, rest, dm = _fit(tmp_path / "b", SleepModule(extra=0.03), every=10, ckpt=ckpts / f"step={save}.ckpt",
+                              max_epochs=2)
+    assert dm.sampler.num_replicas == 1 and bench.calibration.extra["provenance"]["source"] == "corrected"
+    before = Seen()
+    before.batches = [(epoch, batch) for r in (0, 1) for step, epoch, batch in tapes[r] if step <= save]
+    per_epoch = _per_epoch(before, rest)
+    assert set(per_epoch) == {0, 1}
+    for epoch, counts in per_epoch.items():
+        assert set(counts) == set(range(N)) and sum(counts.values()) == N, epoch
