@@ -47,6 +47,11 @@ from typing import Any
 import numpy as np
 from scipy.optimize import least_squares, nnls
 
+#: A negative per-length offset (:attr:`CostModel.offsets`) lowers a prediction to at most this fraction of
+#: the corrected form: below the batch sizes training measured, the offset is extrapolated, and a step time
+#: stays positive.
+OFFSET_FLOOR = 0.5
+
 FORMS: tuple[str, ...] = ("power", "quadratic", "saturating")
 PARAM_NAMES: dict[str, tuple[str, ...]] = {
     "power": ("a", "b", "p"),
@@ -306,9 +311,12 @@ class CostModel:
             for ``"auto"`` fits the held-out error of every form tried (``heldout_<form>``).
         corrections: ``{S: factor}``: the prediction at exactly sequence length ``S`` is the form's times
             ``factor`` (measured in training; see the module docstring). Empty for a profiled model.
-        offsets: ``{S: seconds}``: added to the corrected prediction at exactly ``S`` (non-negative): where
-            training measured a length at two or more batch sizes, its correction is ``factor·form + offset``,
-            the fixed cost a small batch of that length pays that the form's one floor does not hold.
+        offsets: ``{S: seconds}``: added to the corrected prediction at exactly ``S``: where training measured
+            a length at two or more batch sizes, its correction is ``factor·form + offset``. A positive offset
+            is a fixed cost a small batch of that length pays that the form's one floor does not hold; a
+            negative one, a floor the form holds too high there (a small batch faster than the form says). The
+            prediction never goes below half of ``factor·form`` (:data:`OFFSET_FLOOR`), so a batch smaller
+            than the measured ones keeps a positive time.
         attention_tokens: ``{S: S_attn}``: the form is in the tokens attention sees (see the module
             docstring; :func:`token_table`); empty: ``S`` itself.
 
@@ -358,8 +366,8 @@ class CostModel:
         object.__setattr__(self, "params", {k: float(self.params[k]) for k in names})
         object.__setattr__(self, "corrections", _length_table(self.corrections, "correction", "a positive finite factor",
                                                               lambda v: v > 0))
-        object.__setattr__(self, "offsets", _length_table(self.offsets, "offset",
-                                                          "a non-negative finite number of seconds", lambda v: v >= 0))
+        object.__setattr__(self, "offsets", _length_table(self.offsets, "offset", "a finite number of seconds",
+                                                          lambda v: True))
 
     @classmethod
     def fit(cls, batch_sizes: Any, seq_lens: Any, times: Any, form: str = "auto",
@@ -442,7 +450,9 @@ class CostModel:
         b = np.asarray(batch_size, dtype=np.float64)
         s = np.asarray(seq_len, dtype=np.float64)
         out = _predict(self.form, np.array(list(self.params.values())), b, map_tokens(self.attention_tokens, s))
-        out = out * _at_lengths(self.corrections, s, 1.0) + _at_lengths(self.offsets, s, 0.0)
+        out = out * _at_lengths(self.corrections, s, 1.0)
+        if self.offsets:
+            out = np.maximum(out + _at_lengths(self.offsets, s, 0.0), OFFSET_FLOOR * out)
         return float(out) if out.ndim == 0 else out
 
     def scaled(self, factor: float) -> CostModel:
@@ -529,7 +539,7 @@ class CostModel:
         fixes = ""
         if self.corrections:
             fixes = ", measured in training at " + ", ".join(
-                f"S={k:,} x{v:.2f}" + (f" +{self.offsets[k] * 1e3:.3g} ms" if self.offsets.get(k) else "")
+                f"S={k:,} x{v:.2f}" + (f" {self.offsets[k] * 1e3:+.3g} ms" if self.offsets.get(k) else "")
                 for k, v in self.corrections.items())
         attn = ""
         if self.attention_tokens:

@@ -24,7 +24,7 @@ from scipy.optimize import least_squares, lsq_linear
 import lightning_adaptiveload.calibration.derive as derive
 import lightning_adaptiveload.calibration.record as record
 from lightning_adaptiveload.calibration.calibrate import ProfileSettings, derive_for
-from lightning_adaptiveload.calibration.costmodel import PARAM_NAMES, CostModel
+from lightning_adaptiveload.calibration.costmodel import OFFSET_FLOOR, PARAM_NAMES, CostModel
 
 __all__ = ["REPLAN_GAIN", "Decision", "Observation", "compare", "refit"]
 
@@ -180,26 +180,32 @@ def _fit_with_corrections(merged: dict[tuple[int, int, str | None], float],
         corrected = found
     fixes = {s: _affine_correction(by_len[s]) for s in sorted(found)}
     return CostModel(fitted.form, fitted.params, fitted.quality, {s: f for s, (f, _) in fixes.items()},
-                     fitted.attention_tokens, {s: o for s, (_, o) in fixes.items() if o > 0}), scales
+                     fitted.attention_tokens, {s: o for s, (_, o) in fixes.items() if o != 0}), scales
 
 
 def _affine_correction(points: Sequence[tuple[int, float, float]]) -> tuple[float, float]:
     """``(factor, offset_s)`` for one length from its training points ``(B, priced, measured)``: the median
     ratio where they hold one batch size; with two or more, ``measured ≈ factor · priced + offset`` in relative
-    least squares with ``offset >= 0`` (a small batch's fixed cost the form's floor does not hold: with two
-    ranks on a CPU, 32 and 256 images of one length ran 1.6x and 1.1x the fit)."""
+    least squares. A positive offset is a small batch's fixed cost the form's floor does not hold (with two
+    ranks on a CPU, 32 and 256 images of one length ran 1.6x and 1.1x the fit); a negative one, a floor the
+    form holds too high at this length (107 and 181 samples of 16 tokens ran 0.90x and 1.14x). A negative offset
+    may take at most ``1 - OFFSET_FLOOR`` of the smallest measured batch's ``factor · priced``
+    (:data:`~lightning_adaptiveload.calibration.costmodel.OFFSET_FLOOR`), so the floor the prediction keeps does
+    not bind where training measured; a larger one falls back to the median ratio."""
     ratios = [t / p for _, p, t in points]
+    median = float(np.median(ratios))
     if len({b for b, _, _ in points}) < 2:
-        return float(np.median(ratios)), 0.0
+        return median, 0.0
     priced = np.array([p for _, p, _ in points])
     measured = np.array([t for _, _, t in points])
     fit = lsq_linear(np.stack([priced / measured, 1.0 / measured], axis=1), np.ones(len(points)),
-                     bounds=([1e-9, 0.0], [np.inf, np.inf]))
+                     bounds=([1e-9, -np.inf], [np.inf, np.inf]))
     factor, offset = (float(v) for v in fit.x)
-    median = float(np.median(ratios))
     if not 0.5 * median <= factor <= 2.0 * median:  # the offset would stand for the length's whole cost
         return median, 0.0
-    return factor, offset if offset > 1e-12 else 0.0
+    if offset < -(1.0 - OFFSET_FLOOR) * factor * float(priced.min()):  # it would take most of a small batch's time
+        return median, 0.0
+    return factor, offset if abs(offset) > 1e-12 else 0.0
 
 
 def refit(cal: record.Calibration, observed: Sequence[Observation], *,

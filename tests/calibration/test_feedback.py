@@ -245,3 +245,32 @@ def test_a_length_measured_at_two_batch_sizes_gets_a_factor_and_an_offset():
 
     assert _affine_correction([(8, 0.5, 0.6), (8, 0.5, 0.7)]) == (pytest.approx(1.3), 0.0)
     assert _affine_correction([(8, 0.5, 0.6), (64, 4.0, 0.61)]) == (pytest.approx((1.2 + 0.1525) / 2), 0.0)
+
+
+def test_a_length_whose_small_batch_is_faster_than_the_form_gets_a_negative_offset():
+    # The form's floor is too high at one length: its small batch runs faster than the form says, its full
+    # batch slower (0.90x and 1.14x on a CPU quickstart). 1.2 x TRUTH - 30 ms at both batch sizes: a factor
+    # alone, or a non-negative offset, would leave the two ratios apart.
+    cal = _calibration()
+    running = _running(cal)
+    fast = int(SEQ[0])
+    observed = _observed(running, lambda s: 1.0)
+    full = next(o for o in observed if o.seq_len == fast)
+    small = max(1, full.batch_size // 8)
+    observed = [o for o in observed if o.seq_len != fast] + [
+        Observation(b, fast, 1.2 * float(TRUTH.predict(b, fast)) - 0.03, 50) for b in (full.batch_size, small)]
+    new = refit(cal, observed, overhead_s=0.0).cost_model
+    assert new.corrections[fast] == pytest.approx(1.2, rel=1e-3) and new.offsets[fast] == pytest.approx(-0.03, rel=1e-3)
+    for o in observed:
+        assert float(new.predict(o.batch_size, o.seq_len)) == pytest.approx(o.median_seconds, rel=1e-3)
+    assert f"S={fast:,} x1.20 -30 ms" in str(new)
+    assert CostModel.from_dict(new.to_dict()) == new
+    # Below the measured batch sizes the prediction keeps half of factor x form: positive, never the offset's.
+    huge = CostModel(new.form, new.params, corrections={fast: 1.0}, offsets={fast: -1e3})
+    assert float(huge.predict(1, fast)) == pytest.approx(0.5 * float(CostModel(new.form, new.params).predict(1, fast)))
+    # An offset that would take more than half of the smallest batch's time falls back to the median ratio.
+    from lightning_adaptiveload.calibration.feedback import _affine_correction
+
+    assert _affine_correction([(1, 1.0, 0.2), (100, 10.0, 8.0)])[1] == 0.0
+    with pytest.raises(ValueError, match="offset"):
+        CostModel(new.form, new.params, offsets={fast: float("nan")})
