@@ -3,9 +3,11 @@ tolerance every sequence-parallel numerics check uses."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import socket
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -31,8 +33,18 @@ def init_rank(rank: int, world: int, port: int) -> None:
     warnings.filterwarnings("ignore")
 
 
-def spawn(fn: Callable[..., None], world: int, *args: Any) -> None:
-    """Run ``fn(rank, world, port, *args)`` on ``world`` forked ranks; a rank's exception fails the test.
+def _one_thread(fn: Callable[..., None], rank: int, *args: Any) -> None:
+    """A forked rank computes on one intra-op thread, whatever a strategy's launcher would set (Lightning's sets
+    cores / processes unless ``OMP_NUM_THREADS`` is given): the OpenMP pool of this process is not in the fork,
+    and a parallel region of two or more threads there waits for it forever."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    fn(rank, *args)
+
+
+def spawn(fn: Callable[..., None], world: int, *args: Any, timeout: float | None = None) -> None:
+    """Run ``fn(rank, world, port, *args)`` on ``world`` forked ranks; a rank's exception fails the test, and
+    so do ranks still running after ``timeout`` seconds (they are killed).
 
     fork: the workers start with this process's imports (a spawned one re-imports torch and Lightning,
     ~9 s of CPU each on a two-core machine); no process group is alive here to be inherited.
@@ -42,7 +54,16 @@ def spawn(fn: Callable[..., None], world: int, *args: Any) -> None:
     # freed in a fork, its destructor would join the parent's gloo threads, which the fork does not have,
     # and that rank would hang mid-step. Free such garbage here, where the threads exist.
     gc.collect()
-    mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=True, start_method="fork")
+    context = mp.start_processes(functools.partial(_one_thread, fn), args=(world, free_port(), *args), nprocs=world,
+                                 join=False, start_method="fork")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not context.join(None if deadline is None else max(deadline - time.monotonic(), 0.0)):
+        if deadline is not None and time.monotonic() >= deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+                process.join()
+            raise TimeoutError(f"{world} forked rank(s) of {fn.__name__} still running after {timeout} s")
 
 
 def perturb_(model: torch.nn.Module, seed: int = 1) -> None:
