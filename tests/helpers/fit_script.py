@@ -1,4 +1,5 @@
-"""A small CPU fit the world-size tests run as a script (DDP over gloo for --devices 2).
+"""A small CPU fit the world-size tests run on ranks forked from the test process (``fit_ranks`` through
+``gloo_ranks.spawn``: DDP over gloo for 2 devices), or by hand as a script (Lightning launches the other ranks).
 
 Every rank appends the dataset indices of each trained batch to ``<record>.rank<r>``; rank 0 writes
 ``<record>.json`` at the end: the shape benchmark's calibration source, the sampler's plan counts and
@@ -12,6 +13,7 @@ import argparse
 import json
 
 import torch
+from gloo_ranks import init_rank
 from lightning.pytorch import Callback, Trainer
 
 from lightning_adaptiveload.bucketing.policy import DualConstraintPolicy
@@ -59,6 +61,37 @@ def _module(kind: str):
     return module, module.config.text_len, module.config.text_dim
 
 
+def fit(out: str, record: str, devices: int = 1, max_steps: int = -1, max_epochs: int = 1, ckpt: str | None = None,
+        model: str = "tiny") -> None:
+    torch.set_num_threads(1)
+    module, text_len, text_dim = _module(model)
+    dataset = SyntheticMixedDataset(NUM_SAMPLES, "tiny", text_len=text_len, text_dim=text_dim)
+    datamodule = AdaptiveLoadDataModule(dataset, DualConstraintPolicy(4096, 4096 * 64, 2.0), seed=1)
+    trainer = Trainer(
+        default_root_dir=out, accelerator="cpu", devices=devices,
+        strategy="ddp" if devices > 1 else "auto", use_distributed_sampler=False, max_epochs=max_epochs,
+        max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[
+            ShapeBenchmarkCallback(max_shapes=2, batch_sizes=[1, 8], repeats=1, warmup=0, m_mem=480,
+                                   save_dir=out),
+            BalanceMonitor(log_every_n_steps=1000),
+            FusedAdaLNCallback(),
+            LastStateCheckpoint(dirpath=f"{out}/ckpt", every_n_train_steps=2, save_top_k=-1, save_last=True,
+                                filename="step={step}", auto_insert_metric_name=False),
+            _Record(record),
+        ],
+    )
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
+
+
+def fit_ranks(rank: int, world: int, port: int, out: str, record: str, kwargs: dict) -> None:
+    """One forked rank of ``fit(out, record, devices=world, **kwargs)`` (``gloo_ranks.spawn(fit_ranks, world,
+    ...)``): two or more join a gloo process group first, which Lightning's DDP strategy then uses as it is."""
+    if world > 1:
+        init_rank(rank, world, port)
+    fit(out, record, devices=world, **kwargs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -68,26 +101,7 @@ def main() -> None:
     parser.add_argument("--max-epochs", type=int, default=1)
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--model", default="tiny", choices=("tiny", "diffusers"))
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    module, text_len, text_dim = _module(args.model)
-    dataset = SyntheticMixedDataset(NUM_SAMPLES, "tiny", text_len=text_len, text_dim=text_dim)
-    datamodule = AdaptiveLoadDataModule(dataset, DualConstraintPolicy(4096, 4096 * 64, 2.0), seed=1)
-    trainer = Trainer(
-        default_root_dir=args.out, accelerator="cpu", devices=args.devices,
-        strategy="ddp" if args.devices > 1 else "auto", use_distributed_sampler=False, max_epochs=args.max_epochs,
-        max_steps=args.max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[
-            ShapeBenchmarkCallback(max_shapes=2, batch_sizes=[1, 8], repeats=1, warmup=0, m_mem=480,
-                                   save_dir=args.out),
-            BalanceMonitor(log_every_n_steps=1000),
-            FusedAdaLNCallback(),
-            LastStateCheckpoint(dirpath=f"{args.out}/ckpt", every_n_train_steps=2, save_top_k=-1, save_last=True,
-                                filename="step={step}", auto_insert_metric_name=False),
-            _Record(args.record),
-        ],
-    )
-    trainer.fit(module, datamodule=datamodule, ckpt_path=args.ckpt)
+    fit(**vars(parser.parse_args()))
 
 
 if __name__ == "__main__":
