@@ -1,4 +1,5 @@
-"""A CPU FSDP2 fit on gloo ranks (Lightning launches the other ranks by re-running this script).
+"""A CPU FSDP2 fit on gloo ranks: forked from the test process (``fit_ranks`` through ``gloo_ranks.spawn``), or
+run by hand as a script (Lightning launches the other ranks by re-running it).
 
 Every rank writes ``<out>/rank<r>.pt``: its losses and batches per step, the checks made right
 after ``configure_model`` (weights gathered from the shards vs the pretrained source, each rank's
@@ -12,6 +13,7 @@ import argparse
 from pathlib import Path
 
 import torch
+from gloo_ranks import init_rank
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import load_file
@@ -112,6 +114,39 @@ class _Record(Callback):
                    self.out / f"rank{trainer.global_rank}.pt")
 
 
+def fit(out: str, pretrained: str, layout: str, max_steps: int = 4, shard_size: int | None = None,
+        ckpt: str | None = None, devices: int = 2, no_checkpoints: bool = False) -> None:
+    torch.set_num_threads(1)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    from lightning_adaptiveload.models.wan_weights import diffusers_key
+
+    key_of = diffusers_key if layout == "diffusers" else (lambda n: n)
+    module = CheckedModule("tiny", lr=LR, seed=SEED, pretrained=pretrained, fsdp_param_dtype="float32")
+    module._source, module._key_of, module.checks = _source(pretrained), key_of, {}
+    dataset = SyntheticMixedDataset(NUM_SAMPLES, "tiny", text_len=16, text_dim=32, seed=5)
+    datamodule = AdaptiveLoadDataModule(dataset, DualConstraintPolicy(4096, 4096 * 64, 2.0), seed=1)
+    trainer = Trainer(
+        default_root_dir=str(out), accelerator="cpu", devices=devices, strategy=FSDP2Strategy(shard_size=shard_size),
+        precision="32-true", use_distributed_sampler=False, max_epochs=-1, max_steps=max_steps,
+        gradient_clip_val=CLIP, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=not no_checkpoints,
+        callbacks=[_Record(out)] + ([] if no_checkpoints else [
+            ModelCheckpoint(dirpath=str(out / "ckpt"), every_n_train_steps=2, save_top_k=-1,
+                            filename="step={step}", auto_insert_metric_name=False)]),
+    )
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
+
+
+def fit_ranks(rank: int, world: int, port: int, out: str, kwargs: dict) -> None:
+    """One forked rank of ``fit(out, devices=world, **kwargs)`` (``gloo_ranks.spawn(fit_ranks, world, ...)``):
+    two or more join a gloo process group first, which the strategy then uses as it is; one rank is left to
+    set up its own, as in a launched run."""
+    if world > 1:
+        init_rank(rank, world, port)
+    fit(out, devices=world, **kwargs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -122,27 +157,7 @@ def main() -> None:
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--no-checkpoints", action="store_true", help="save no distributed checkpoints")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    from lightning_adaptiveload.models.wan_weights import diffusers_key
-
-    key_of = diffusers_key if args.layout == "diffusers" else (lambda n: n)
-    module = CheckedModule("tiny", lr=LR, seed=SEED, pretrained=args.pretrained, fsdp_param_dtype="float32")
-    module._source, module._key_of, module.checks = _source(args.pretrained), key_of, {}
-    dataset = SyntheticMixedDataset(NUM_SAMPLES, "tiny", text_len=16, text_dim=32, seed=5)
-    datamodule = AdaptiveLoadDataModule(dataset, DualConstraintPolicy(4096, 4096 * 64, 2.0), seed=1)
-    trainer = Trainer(
-        default_root_dir=str(out), accelerator="cpu", devices=args.devices, strategy=FSDP2Strategy(shard_size=args.shard_size),
-        precision="32-true", use_distributed_sampler=False, max_epochs=-1, max_steps=args.max_steps,
-        gradient_clip_val=CLIP, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=not args.no_checkpoints,
-        callbacks=[_Record(out)] + ([] if args.no_checkpoints else [
-            ModelCheckpoint(dirpath=str(out / "ckpt"), every_n_train_steps=2, save_top_k=-1,
-                            filename="step={step}", auto_insert_metric_name=False)]),
-    )
-    trainer.fit(module, datamodule=datamodule, ckpt_path=args.ckpt)
+    fit(**vars(parser.parse_args()))
 
 
 if __name__ == "__main__":

@@ -4,29 +4,21 @@ ranks (fp32, clipping on), and a distributed checkpoint resumes to the uninterru
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from fsdp2_script import CLIP, LR, SEED, fit_ranks
+from gloo_ranks import spawn
 
 from lightning_adaptiveload.models.flow_matching import draw_seed, rectified_flow_loss
 from lightning_adaptiveload.models.wan import WanModel
 from lightning_adaptiveload.models.wan_weights import load_wan_weights_
 
-SCRIPT = Path(__file__).parents[1] / "helpers" / "fsdp2_script.py"  # importable too: tests/conftest.py
-from fsdp2_script import CLIP, LR, SEED  # noqa: E402
 
-
-def _fit(out: Path, *args: str, ranks: int = 2) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
-        env.pop(key, None)
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), *args], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+def _fit(out: Path, pretrained: Path, layout: str, ranks: int = 2, **kwargs) -> list[dict]:
+    """``fsdp2_script.fit`` on ``ranks`` ranks forked from this process (no re-import of torch and Lightning)."""
+    spawn(fit_ranks, ranks, str(out), dict(pretrained=str(pretrained), layout=layout, **kwargs), timeout=300)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(ranks)]
 
 
@@ -71,10 +63,9 @@ def _losses(ranks: list[dict]) -> list[list[float]]:
     return [[float(r["steps"][i]["loss"]) for r in ranks] for i in range(steps)]
 
 
-@pytest.mark.slow  # ~52 s on a 2-core CPU
+@pytest.mark.slow  # ~8 s on a 2-core CPU (was ~40 s as three launched runs)
 def test_fsdp2_two_ranks_shards_loads_trains_like_one_process_and_resumes_exactly(tmp_path, checkpoints):
-    full = _fit(tmp_path / "full", "--pretrained", str(checkpoints["diffusers"]), "--layout", "diffusers",
-                "--max-steps", "4")
+    full = _fit(tmp_path / "full", checkpoints["diffusers"], "diffusers", max_steps=4)
     for rank, record in enumerate(full):
         checks = record["checks"]
         assert record["world_size"] == 2
@@ -94,8 +85,7 @@ def test_fsdp2_two_ranks_shards_loads_trains_like_one_process_and_resumes_exactl
     # Resume from the distributed checkpoint of step 2 (loaded over the other layout's weights).
     ckpt = tmp_path / "full" / "ckpt" / "step=2.ckpt"
     assert (ckpt / "meta.pt").is_file() and len(list(ckpt.glob("*.distcp"))) == 2
-    resumed = _fit(tmp_path / "resumed", "--pretrained", str(checkpoints["wan"]), "--layout", "wan",
-                   "--max-steps", "4", "--ckpt", str(ckpt))
+    resumed = _fit(tmp_path / "resumed", checkpoints["wan"], "wan", max_steps=4, ckpt=str(ckpt))
     assert all(r["checks"]["pretrained_equal"] for r in resumed)
     assert [s["step"] for s in resumed[0]["steps"]] == [2, 3]
     for r in (0, 1):
@@ -104,17 +94,15 @@ def test_fsdp2_two_ranks_shards_loads_trains_like_one_process_and_resumes_exactl
             assert torch.equal(got["loss"], ref["loss"]), (r, got["step"], float(got["loss"]), float(ref["loss"]))
 
     # The same checkpoint on one rank: DCP reshards it; training starts from the same weights.
-    single = _fit(tmp_path / "single", "--pretrained", str(checkpoints["wan"]), "--layout", "wan",
-                  "--max-steps", "3", "--ckpt", str(ckpt), "--devices", "1", ranks=1)
+    single = _fit(tmp_path / "single", checkpoints["wan"], "wan", ranks=1, max_steps=3, ckpt=str(ckpt))
     assert single[0]["world_size"] == 1 and [s["step"] for s in single[0]["steps"]] == [2]
     assert resumed[0]["start"].keys() == single[0]["start"].keys()
     assert all(torch.equal(single[0]["start"][n], w) for n, w in resumed[0]["start"].items())
 
 
-@pytest.mark.slow  # ~18 s on a 2-core CPU
+@pytest.mark.slow  # ~3 s on a 2-core CPU (was ~18 s launched)
 def test_hsdp_two_replicas_train_like_one_process(tmp_path, checkpoints):
-    hsdp = _fit(tmp_path / "hsdp", "--pretrained", str(checkpoints["diffusers"]), "--layout", "diffusers",
-                "--max-steps", "2", "--shard-size", "1")
+    hsdp = _fit(tmp_path / "hsdp", checkpoints["diffusers"], "diffusers", max_steps=2, shard_size=1)
     # shard_size=1: every rank holds a full replica.
     for record in hsdp:
         assert record["checks"]["local_shape"] == record["checks"]["full_shape"]
@@ -124,11 +112,11 @@ def test_hsdp_two_replicas_train_like_one_process(tmp_path, checkpoints):
     torch.testing.assert_close(torch.tensor(_losses(hsdp)), torch.tensor(want), rtol=1e-5, atol=0)
 
 
-@pytest.mark.slow  # ~25 s on a 2-core CPU
+@pytest.mark.slow  # ~6 s on a 2-core CPU (was ~23 s launched)
 def test_hsdp_two_replicas_of_two_shards_train_like_one_process(tmp_path, checkpoints):
     """4 ranks as a (replicate=2, shard=2) mesh: real sharding inside each replica."""
-    hsdp = _fit(tmp_path / "hsdp", "--pretrained", str(checkpoints["diffusers"]), "--layout", "diffusers",
-                "--max-steps", "2", "--shard-size", "2", "--devices", "4", "--no-checkpoints", ranks=4)
+    hsdp = _fit(tmp_path / "hsdp", checkpoints["diffusers"], "diffusers", ranks=4, max_steps=2, shard_size=2,
+                no_checkpoints=True)
     for rank, record in enumerate(hsdp):
         assert record["world_size"] == 4 and record["mesh_dims"] == ("replicate", "shard")
         # Replicas are the rank blocks [0, 1] and [2, 3]; a rank's shard index is its place in its block.
