@@ -6,34 +6,26 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from gloo_ranks import spawn
+from sp_train_script import NUM_SAMPLES, train_ranks
 
-SCRIPT = Path(__file__).parents[1] / "helpers" / "sp_train_script.py"  # importable too: tests/conftest.py
-from sp_train_script import NUM_SAMPLES  # noqa: E402
-
-from lightning_adaptiveload.data.synthetic import SyntheticMixedDataset  # noqa: E402
+from lightning_adaptiveload.data.synthetic import SyntheticMixedDataset
 
 
-def _fit(tmp_path: Path, record: str, *extra: str) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
-        env.pop(key, None)
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "run"), str(tmp_path / record), *extra],
-                          env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+def _fit(tmp_path: Path, record: str, ckpt: str | None = None) -> None:
+    """``sp_train_script.run`` on 2 ranks forked from this process (no re-import of torch and Lightning)."""
+    spawn(train_ranks, 2, str(tmp_path / "run"), str(tmp_path / record), ckpt, timeout=300)
 
 
 def _rows(tmp_path: Path, record: str) -> list[list[dict]]:
     return [[json.loads(line) for line in (tmp_path / f"{record}.rank{r}").read_text().splitlines()] for r in (0, 1)]
 
 
-@pytest.mark.slow  # ~86 s on a 2-core CPU
+@pytest.mark.slow  # ~3 s on a 2-core CPU: two runs on two forked ranks
 def test_sequence_parallel_trains_through_adaptiveload_train_and_resumes_mid_epoch(tmp_path):
     _fit(tmp_path, "full")
     full = _rows(tmp_path, "full")
@@ -58,7 +50,7 @@ def test_sequence_parallel_trains_through_adaptiveload_train_and_resumes_mid_epo
     assert sorted(seen) == list(range(NUM_SAMPLES))  # every sample once in the epoch
     assert set(np.flatnonzero(seq == 120).tolist()) <= set(seen)
 
-    _fit(tmp_path, "resumed", "--ckpt", str(tmp_path / "run" / "checkpoints" / "step0000004.ckpt"))
+    _fit(tmp_path, "resumed", str(tmp_path / "run" / "checkpoints" / "step0000004.ckpt"))
     resumed = _rows(tmp_path, "resumed")
     for rank in (0, 1):
         rest = [r for r in full[rank] if r["step"] > 4]
