@@ -1,6 +1,13 @@
-"""The closed loop on and off: the same ``adaptiveload-train`` run twice, once with
-``callbacks.shape_benchmark.closed_loop=false`` (first: it profiles and caches the calibration) and once
-with the closed loop on (it reads that calibration from the cache and corrects it from training's steps).
+"""The closed loop on and off: the same ``adaptiveload-train`` run with
+``callbacks.shape_benchmark.closed_loop=false`` (first: it profiles and caches the calibration) and with
+the closed loop on (it reads that calibration from the cache and corrects it from training's steps).
+
+``--pairs N`` runs N off/on pairs in the order off, on, on, off, off, on, ... (a drift of the device's clocks
+over the call weighs on both sides alike); every run after the first starts from the profiled calibration
+(the cache is restored from a copy taken after the first run, so an on run's corrected entry does not reach
+the runs after it). The record holds every run and the median of the pairs' on/off ratios of tokens/s and of
+the epoch estimate (the mixed corpus draws different shapes in a short run, so its tokens/s ratio is noisy;
+the epoch estimate weighs each shape's measured step time by the epoch's own counts).
 
 Records per run the tokens/s (``BalanceMonitor``'s run mean), the epoch estimate at the measured per-shape
 step times, the closed loop's decisions (measured/predicted before and after correction, the predicted
@@ -14,6 +21,9 @@ tokens/s of the plan it keeps) and the per-shape measured/predicted ratios of th
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -29,25 +39,53 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=int, default=600)
     p.add_argument("--work", type=Path, default=None, help="keep the runs' output here (default: a temp dir)")
     p.add_argument("--out", type=Path, default=RESULTS / "closed_loop.json")
-    p.add_argument("overrides", nargs="*", help="Hydra overrides of both runs")
+    p.add_argument("--pairs", type=int, default=1, help="off/on pairs (default 1)")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides of every run")
     args = p.parse_args(argv)
+    if args.pairs < 1:
+        p.error(f"--pairs {args.pairs}: expected a positive integer")
     run = run_info()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    runs: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
-        cache = work / "cache"
-        off = run_train("closed_loop_off", [*args.overrides, "callbacks.shape_benchmark.closed_loop=false"], work,
-                        cache, args.timeout)
-        print(f"closed loop off: {off['tokens_per_s']:,.0f} tokens/s (epoch {off['epoch_tokens_per_s'] or 0:,.0f})")
-        on = run_train("closed_loop_on", list(args.overrides), work, cache, args.timeout)
-        print(f"closed loop on:  {on['tokens_per_s']:,.0f} tokens/s (epoch {on['epoch_tokens_per_s'] or 0:,.0f})")
+        cache, profiled = work / "cache", work / "cache_profiled"
+        for i in range(args.pairs):
+            for kind in ("off", "on") if i % 2 == 0 else ("on", "off"):
+                if runs:  # every run after the first from the profiled calibration
+                    shutil.rmtree(cache, ignore_errors=True)
+                    shutil.copytree(profiled, cache)
+                extra = ["callbacks.shape_benchmark.closed_loop=false"] if kind == "off" else []
+                runs.append(run_train(f"closed_loop_{kind}", [*args.overrides, *extra], work, cache, args.timeout))
+                if len(runs) == 1 and cache.exists():
+                    shutil.copytree(cache, profiled)
+                r = runs[-1]
+                # A call cut off by its time limit still leaves the runs it finished.
+                args.out.with_suffix(".partial.json").write_text(json.dumps(runs, indent=1))
+                print(f"pair {i + 1}/{args.pairs} closed loop {kind}: {r['tokens_per_s']:,.0f} tokens/s "
+                      f"(epoch {r['epoch_tokens_per_s'] or 0:,.0f}), MFU {r['mfu'] or 0:.2%}, {r['wall_s']:.0f} s",
+                      flush=True)
+    offs = [r for r in runs if r["kind"] == "closed_loop_off"]
+    ons = [r for r in runs if r["kind"] == "closed_loop_on"]
+
+    def ratios(key: str) -> list[float]:
+        return [b[key] / a[key] for a, b in zip(offs, ons, strict=True) if a[key] and b[key]]
+
+    on = ons[-1]
     last = on["decisions"][-1] if on["decisions"] else None
-    result = {"name": args.name, "overrides": args.overrides, "off": off, "on": on,
-              "on_over_off_tokens_per_s": on["tokens_per_s"] / off["tokens_per_s"],
+    tps, epoch = ratios("tokens_per_s"), ratios("epoch_tokens_per_s")
+    result = {"name": args.name, "overrides": args.overrides, "pairs": args.pairs, "off": offs[0], "on": ons[0],
+              "runs": runs if args.pairs > 1 else None,
+              "on_over_off_tokens_per_s": statistics.median(tps) if tps else None,
+              "on_over_off_tokens_per_s_pairs": tps,
+              "on_over_off_epoch_tokens_per_s": statistics.median(epoch) if epoch else None,
+              "on_over_off_epoch_tokens_per_s_pairs": epoch,
               "predicted_over_measured_epoch": (last["predicted_tokens_per_s"] / on["epoch_tokens_per_s"]
                                                 if last and on["epoch_tokens_per_s"] else None),
-              "how": "two adaptiveload-train subprocesses (off first, it fills the cache); BalanceMonitor means"}
+              "how": ("adaptiveload-train subprocesses, off first (it fills the cache), then on, on, off, ...; every "
+                      "run after the first from the profiled cache; BalanceMonitor means; ratios: median over pairs")}
     append_record(args.out, "bench_closed_loop.py", result, run)
-    print({k: v for k, v in result.items() if k not in ("off", "on")})
+    print({k: v for k, v in result.items() if k not in ("off", "on", "runs")})
     return 0
 
 

@@ -2,6 +2,7 @@
 # The closed loop on one GPU (run on the device from the repository root: `bash benchmarks/device/gpu_closed_loop.sh`):
 # benchmarks/bench_closed_loop.py on a recipe, closed loop off (profiles, fills the cache) then on (reads the
 # cache, corrects it from training's steps). RECIPE=480p (default) or mixed; STEPS training steps per run.
+# PAIRS off/on pairs (default 1; off, on, on, off, ...).
 # Appends to $OUT/closed_loop.json (copy its record into benchmarks/results/closed_loop.json).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -12,7 +13,7 @@ MIX=()
 [ "${RECIPE:-480p}" = mixed ] && MIX=(data.dataset.mixture=wan_mixed_480p_720p)
 nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv -l 1 > "$OUT/gpu_clocks_closed_loop_${RECIPE:-480p}.csv" 2>/dev/null &
 SMI=$!
-timeout ${TIMEOUT:-560} python3 benchmarks/bench_closed_loop.py --name "wan2_1_1_3b_${RECIPE:-480p}" --out "$OUT/closed_loop.json" \
+timeout ${TIMEOUT:-560} python3 benchmarks/bench_closed_loop.py --name "wan2_1_1_3b_${RECIPE:-480p}" --out "$OUT/closed_loop.json" --pairs ${PAIRS:-1} \
     --work "$OUT/runs_${RECIPE:-480p}" --timeout 270 -- \
     experiment=wan2_1_1_3b_480p trainer.devices=1 trainer.max_steps=${STEPS:-50} \
     callbacks.balance_monitor.warmup_steps=${WARMUP:-10} callbacks.shape_benchmark.closed_loop_every_n_steps=10 \
