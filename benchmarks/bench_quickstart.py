@@ -31,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import RESULTS, append_record, run_info  # noqa: E402
 
 BASELINE = ["bucketing=equal_token", "bucketing.policy.max_tokens=4096"]
+_GAIN = re.compile(r"this plan trains at ([+-][0-9.]+)% tokens/s under the cost model corrected"
+                   r"(?:.*?started with predicted ([+-][0-9.]+)%)?")
 _DECISION = re.compile(r"`ShapeBenchmarkCallback`: step (\d+): (re-plan|keep the plan): ([+-][0-9.]+)% .*?"
                        r"measured/predicted over \d+ shape\(s\), [0-9,]+ steps: ([0-9.]+) \(([0-9.]+)-([0-9.]+)\) -> "
                        r"([0-9.]+) \(([0-9.]+)-([0-9.]+)\).*?the plan now trains at ([0-9,]+) predicted tokens/s")
@@ -63,7 +65,12 @@ def run_train(kind: str, extra: list[str], work: Path, cache: Path, timeout: int
                   "ratio_before": [float(m[4]), float(m[5]), float(m[6])],
                   "ratio_after": [float(m[7]), float(m[8]), float(m[9])],
                   "predicted_tokens_per_s": float(m[10].replace(",", ""))} for m in _DECISION.finditer(log)]
-    return {"kind": kind, "wall_s": wall, "tokens_per_s": metrics.get("balance/tokens_per_s"),
+    gain = _GAIN.search(log)
+    return {"kind": kind, "wall_s": wall,
+            # The run's own line at the end: its plan over equal-token batches under the corrected model, and as
+            # the starting calibration predicted (simulated epochs; the pairs measure the two side by side).
+            "gain_over_equal_token_corrected": float(gain[1]) / 100 if gain else None,
+            "gain_over_equal_token_predicted": float(gain[2]) / 100 if gain and gain[2] else None, "tokens_per_s": metrics.get("balance/tokens_per_s"),
             "epoch_tokens_per_s": metrics.get("balance/epoch_tokens_per_s"), "steps": metrics.get("balance/steps"),
             "mfu": metrics.get("balance/mfu"), "epoch_mfu": metrics.get("balance/epoch_mfu"),
             "sm_clock_mhz": metrics.get("balance/sm_clock_mhz"), "power_w": metrics.get("balance/power_w"),
@@ -71,6 +78,10 @@ def run_train(kind: str, extra: list[str], work: Path, cache: Path, timeout: int
             "profiled": "profiled in" in log, "decisions": decisions, "overrides": args[3:],
             "per_shape": [{k: r[k] for k in ("B", "S", "steps", "measured_over_predicted") if k in r}
                           for r in metrics.get("per_shape", [])]}
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:+.1%}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,8 +114,9 @@ def main(argv: list[str] | None = None) -> int:
             stop.set()
             burner.join(5)
 
-    def med(kind: str, key: str) -> float:
-        return statistics.median(r[key] for r in runs if r["kind"] == kind and r[key] is not None)
+    def med(kind: str, key: str) -> float | None:
+        values = [r[key] for r in runs if r["kind"] == kind and r.get(key) is not None]
+        return statistics.median(values) if values else None
 
     ratios = [q["tokens_per_s"] / b["tokens_per_s"] for q, b in zip(
         [r for r in runs if r["kind"] == "quickstart"], [r for r in runs if r["kind"] == "baseline"], strict=True)]
@@ -113,11 +125,16 @@ def main(argv: list[str] | None = None) -> int:
               "baseline_tokens_per_s": med("baseline", "tokens_per_s"),
               "quickstart_epoch_tokens_per_s": med("quickstart", "epoch_tokens_per_s"),
               "baseline_epoch_tokens_per_s": med("baseline", "epoch_tokens_per_s"),
-              "ratio_per_pair": ratios, "ratio_median": statistics.median(ratios), "runs": runs,
+              "ratio_per_pair": ratios, "ratio_median": statistics.median(ratios),
+              "gain_over_equal_token_corrected_median": med("quickstart", "gain_over_equal_token_corrected"),
+              "gain_over_equal_token_predicted_median": med("quickstart", "gain_over_equal_token_predicted"),
+              "runs": runs,
               "how": "adaptiveload-train subprocesses, alternating order per pair; tokens/s = BalanceMonitor run mean"}
     append_record(args.out, "bench_quickstart.py", result, run)
     print(f"quickstart / baseline tokens/s per pair: {', '.join(f'{x:.2f}' for x in ratios)} "
-          f"(median {result['ratio_median']:.2f}); wrote {args.out}")
+          f"(median {result['ratio_median']:.2f}); the quickstart's own line, median over its runs: "
+          f"{_pct(result['gain_over_equal_token_corrected_median'])} under the corrected model "
+          f"({_pct(result['gain_over_equal_token_predicted_median'])} as profiled); wrote {args.out}")
     return 0
 
 

@@ -315,6 +315,7 @@ class Decision:
         observed: the observations the ratios are of.
         ratio_before, ratio_after: measured / predicted per observation, under the old and the corrected
             calibration (in the observation's mode).
+        corrected: the corrected calibration the decision weighed (:func:`refit`'s result).
     """
 
     derivation: derive.Derivation
@@ -326,6 +327,20 @@ class Decision:
     observed: tuple[Observation, ...] = ()
     ratio_before: tuple[float, ...] = ()
     ratio_after: tuple[float, ...] = ()
+    corrected: record.Calibration | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        """The simulated tokens/s of the plan training runs after this decision: the new policy's where it
+        re-plans, else the running one's (both under the corrected cost model)."""
+        return self.new_tokens_per_s if self.replan else self.old_tokens_per_s
+
+    @property
+    def baseline_gain(self) -> float:
+        """:attr:`tokens_per_s` over the equal-token baseline's (``B = m_mem // S``, dealt at random), both
+        simulated under the corrected cost model, minus 1; NaN without a baseline."""
+        base = float(self.derivation.baseline.get("tokens_per_s", 0.0))
+        return self.tokens_per_s / base - 1 if base > 0 else float("nan")
 
     def summary(self) -> str:
         """One line: the verdict, the batch sizes that change, measured/predicted before and after."""
@@ -391,4 +406,4 @@ def compare(old_cal: record.Calibration, old_derivation: derive.Derivation, new_
     ratio_after = tuple(o.median_seconds / new_price.predict(o.batch_size, o.seq_len, o.mode) for o in obs)
     return Decision(derivation=new, gain=float(gain), replan=bool(gain >= REPLAN_GAIN and changes),
                     batch_changes=changes, old_tokens_per_s=float(old_tps), new_tokens_per_s=float(new_tps),
-                    observed=obs, ratio_before=ratio_before, ratio_after=ratio_after)
+                    observed=obs, ratio_before=ratio_before, ratio_after=ratio_after, corrected=new_cal)

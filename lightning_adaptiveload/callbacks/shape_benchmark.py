@@ -8,6 +8,7 @@ switches the activation-checkpointing mode per batch, and checkpoints, logs and 
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -175,6 +176,7 @@ class ShapeBenchmarkCallback(Callback):
         self.derivation: derive.Derivation | None = None
         self.source: str | None = None
         self.profiled = False
+        self._start_gain = float("nan")  # the policy's predicted gain over equal-token batches at fit start
 
     def __getattr__(self, name: str) -> Any:
         # The settings read as attributes (`callback.max_shapes`), as the constructor's arguments.
@@ -225,6 +227,7 @@ class ShapeBenchmarkCallback(Callback):
             say=lambda line: rank_zero_info(f"{_NAME}: {line}"), warn=lambda line: rank_zero_warn(f"{_NAME}: {line}"))
         self.profiled = result.profiled
         self._apply(trainer, pl_module, result.calibration, result.derivation, result.source)
+        self._start_gain = _baseline_gain(result.derivation)
 
     @override
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -324,6 +327,21 @@ class ShapeBenchmarkCallback(Callback):
             record.write_cache(self.cache_dir, corrected)
 
     @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Say what the plan gains over equal-token batches under the model training corrected, beside what the
+        profile predicted (the line printed with the calibration)."""
+        if not (self.enabled and self.decisions) or self.derivation is None:
+            return
+        step, decision, _ = self.decisions[-1]
+        start = self._start_gain
+        before = f" (the calibration the run started with predicted {start:+.1%})" if math.isfinite(start) else ""
+        rank_zero_info(
+            f"{_NAME}: against equal-token batches (max_tokens={decision.derivation.m_mem:,}, dealt at random) this "
+            f"plan trains at {decision.baseline_gain:+.1%} tokens/s under the cost model corrected at step {step} "
+            f"from {sum(o.steps for o in decision.observed):,} training steps{before}: two simulated epochs at the "
+            "step times training measured; `benchmarks/bench_quickstart.py` measures both runs side by side.")
+
+    @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """Say what the calibration predicted, and what to change, when a training batch runs out of memory."""
         last, cal = self._last_batch, self.calibration
@@ -357,3 +375,9 @@ class ShapeBenchmarkCallback(Callback):
         if trainer.is_global_zero:
             print_calibration(cal, derivation, source)
             save_calibration(cal, derivation, self.save_dir or log_dir(trainer))
+
+
+def _baseline_gain(derivation: derive.Derivation) -> float:
+    """The derived policy's predicted tokens/s over the equal-token baseline's, minus 1 (NaN without one)."""
+    base = float(derivation.baseline.get("tokens_per_s", 0.0))
+    return float(derivation.predicted["tokens_per_s"]) / base - 1 if base > 0 else float("nan")

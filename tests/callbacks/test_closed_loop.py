@@ -7,6 +7,7 @@ the CPU's noise.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter, defaultdict
 
@@ -17,7 +18,10 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import Dataset
 
-from lightning_adaptiveload.bucketing.policy import DualConstraintPolicy
+from lightning_adaptiveload.bucketing.buckets import count_buckets
+from lightning_adaptiveload.bucketing.policy import DualConstraintPolicy, EqualTokenPolicy
+from lightning_adaptiveload.calibration.derive import predict_policy
+from lightning_adaptiveload.calibration.feedback import REPLAN_GAIN
 from lightning_adaptiveload.callbacks.balance_monitor import BalanceMonitor
 from lightning_adaptiveload.callbacks.shape_benchmark import ShapeBenchmarkCallback
 from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
@@ -133,13 +137,28 @@ def test_an_overhead_the_profile_did_not_see_re_plans_to_larger_batches(tmp_path
 
 
 @pytest.mark.slow  # 4 s on a 2-core CPU under load: off the quick path
-def test_a_uniform_slowdown_corrects_predictions_but_changes_no_batch_size(tmp_path):
-    bench, monitor, _, dm = _fit(tmp_path, SleepModule(scale=1.3), max_steps=60)
+def test_a_uniform_slowdown_corrects_predictions_but_changes_no_batch_size(tmp_path, caplog):
+    with caplog.at_level(logging.INFO):
+        bench, monitor, _, dm = _fit(tmp_path, SleepModule(scale=1.3), max_steps=60)
     assert bench.decisions and all(at is None and not d.replan for _, d, at in bench.decisions)
     assert not dm.sampler.replans and not bench.source.startswith("corrected")
-    before = bench.decisions[-1][1].ratio_before
-    after = bench.decisions[-1][1].ratio_after
+    step, decision, _ = bench.decisions[-1]
+    before, after = decision.ratio_before, decision.ratio_after
     assert np.median(before) > 1.2 and 0.9 < np.median(after) < 1.1, (before, after)
+    # The gain over equal-token batches under the corrected model: the equal-token epoch (B = m_mem // S,
+    # dealt at random) simulated under the corrected cost model, beside the running plan's.
+    corrected = decision.corrected.cost_model
+    grids, counts = count_buckets(Grids().token_grids())
+    base = predict_policy(EqualTokenPolicy(decision.derivation.m_mem), corrected, grids, counts,
+                          decision.derivation.m_mem, world_size=1, balance="none", seed=dm.seed)
+    assert decision.baseline_gain == pytest.approx(decision.old_tokens_per_s / base["tokens_per_s"] - 1, rel=1e-9)
+    # A uniform slowdown scales both epochs alike: the gain stays the one the profile predicted, up to the
+    # sleeps' timing noise (well within the re-plan threshold).
+    start = bench.derivation.predicted["tokens_per_s"] / bench.derivation.baseline["tokens_per_s"] - 1
+    assert decision.baseline_gain == pytest.approx(start, abs=REPLAN_GAIN)
+    line = next(r.getMessage() for r in caplog.records if "against equal-token batches" in r.getMessage())
+    assert f"this plan trains at {decision.baseline_gain:+.1%} tokens/s" in line
+    assert f"corrected at step {step}" in line and f"started with predicted {start:+.1%}" in line
 
 
 @pytest.mark.slow  # 9 s on a 2-core CPU under load: off the quick path
