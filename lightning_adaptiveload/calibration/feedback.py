@@ -329,18 +329,13 @@ class Decision:
     ratio_after: tuple[float, ...] = ()
     corrected: record.Calibration | None = None
 
-    @property
-    def tokens_per_s(self) -> float:
-        """The simulated tokens/s of the plan training runs after this decision: the new policy's where it
-        re-plans, else the running one's (both under the corrected cost model)."""
-        return self.new_tokens_per_s if self.replan else self.old_tokens_per_s
-
-    @property
-    def baseline_gain(self) -> float:
-        """:attr:`tokens_per_s` over the equal-token baseline's (``B = m_mem // S``, dealt at random), both
-        simulated under the corrected cost model, minus 1; NaN without a baseline."""
+    def gain_over_baseline(self, replanned: bool) -> float:
+        """The simulated tokens/s of the plan training runs after this decision (the new policy's where it
+        ``replanned``, else the running one's) over the equal-token baseline's (``B = m_mem // S``, dealt at
+        random), all under the corrected cost model, minus 1; NaN without a baseline."""
         base = float(self.derivation.baseline.get("tokens_per_s", 0.0))
-        return self.tokens_per_s / base - 1 if base > 0 else float("nan")
+        tps = self.new_tokens_per_s if replanned else self.old_tokens_per_s
+        return tps / base - 1 if base > 0 else float("nan")
 
     def summary(self) -> str:
         """One line: the verdict, the batch sizes that change, measured/predicted before and after."""

@@ -79,8 +79,10 @@ class ShapeBenchmarkCallback(Callback):
     correct the calibration (:func:`~lightning_adaptiveload.calibration.feedback.refit`: training's points
     over the profile's, in the calibration's form). When the corrected policy is predicted to train at
     least :data:`~lightning_adaptiveload.calibration.feedback.REPLAN_GAIN` faster than the running one under
-    the corrected model, the DataModule re-plans from the next step no rank has drawn (every sample still
-    once per epoch); otherwise only the predictions change. Either way one line says what changed, the
+    the corrected model at ``closed_loop_confirm`` consecutive checks (2: a single check's gain can be a
+    transient; on the 2-core CPU quickstart one check's re-plan on a slow start cost 7% of tokens/s), the
+    DataModule re-plans from the next step no rank has drawn (every sample still once per epoch); otherwise
+    only the predictions change. Either way one line says what changed, the
     corrected calibration replaces the cache entry (marked as corrected from N training steps), and after
     a re-plan the checkpoints carry it, so a resume plans the same batches.
 
@@ -111,6 +113,7 @@ class ShapeBenchmarkCallback(Callback):
         closed_loop: Correct the calibration from training's step times and re-plan when that pays (above).
         closed_loop_every_n_steps: First check at this training step, then at twice the step of the last.
         closed_loop_min_steps: Steps of a batch shape before its median counts.
+        closed_loop_confirm: Consecutive checks that must call for a re-plan before it is made (1: the first).
 
     Raises:
         ValueError: If an argument is out of range.
@@ -147,6 +150,7 @@ class ShapeBenchmarkCallback(Callback):
         closed_loop: bool = True,
         closed_loop_every_n_steps: int = 25,
         closed_loop_min_steps: int = 3,
+        closed_loop_confirm: int = 2,
     ) -> None:
         self.settings = ProfileSettings(
             batch_sizes=batch_sizes, max_shapes=max_shapes, repeats=repeats, stable_rel=stable_rel, warmup=warmup,
@@ -158,12 +162,15 @@ class ShapeBenchmarkCallback(Callback):
         self.save_dir = None if save_dir is None else Path(save_dir)
         self.enabled = enabled
         for name, value in (("closed_loop_every_n_steps", closed_loop_every_n_steps),
-                            ("closed_loop_min_steps", closed_loop_min_steps)):
+                            ("closed_loop_min_steps", closed_loop_min_steps),
+                            ("closed_loop_confirm", closed_loop_confirm)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{type(self).__name__}({name}={value!r})` is not valid. Expected a positive integer.")
         self.closed_loop = bool(closed_loop)
         self.closed_loop_every_n_steps = closed_loop_every_n_steps
         self.closed_loop_min_steps = closed_loop_min_steps
+        self.closed_loop_confirm = closed_loop_confirm
+        self._wanted = 0  # consecutive checks that called for a re-plan (the same on every rank)
         self._next_check: int | None = None
         self._loop_warned = False
         #: The closed loop's decisions of this fit: ``(global step, Decision, re-planned at epoch step or None)``.
@@ -205,7 +212,7 @@ class ShapeBenchmarkCallback(Callback):
             return
         check_fit(trainer, pl_module)
         self._fit_started = False
-        self._next_check, self.decisions = None, []
+        self._next_check, self.decisions, self._wanted = None, [], 0
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -313,13 +320,18 @@ class ShapeBenchmarkCallback(Callback):
             return
         at = None
         model = decision.derivation.cost_model or corrected.cost_model
-        if decision.replan:
+        self._wanted = self._wanted + 1 if decision.replan else 0
+        if decision.replan and self._wanted >= self.closed_loop_confirm:
+            self._wanted = 0
             at = dm.replan(decision.derivation.policy, model)
             self.calibration, self.derivation = corrected, decision.derivation
             self.source = f"corrected from {corrected.extra['provenance']['training_steps']} training steps"
         monitor.set_cost_model(model)
         self.decisions.append((step, decision, at))
         where = f"; re-planned from step {at} of the epoch" if at is not None else ""
+        if decision.replan and at is None:
+            more = self.closed_loop_confirm - self._wanted
+            where = f"; re-plans if the next {more} check(s) agree (closed_loop_confirm={self.closed_loop_confirm})"
         tps = decision.new_tokens_per_s if at is not None else decision.old_tokens_per_s
         rank_zero_info(f"{_NAME}: step {step}: {decision.summary()}{where}; the plan now trains at {tps:,.0f} "
                        f"predicted tokens/s ({time.perf_counter() - start:.2f} s)")
@@ -332,12 +344,13 @@ class ShapeBenchmarkCallback(Callback):
         profile predicted (the line printed with the calibration)."""
         if not (self.enabled and self.decisions) or self.derivation is None:
             return
-        step, decision, _ = self.decisions[-1]
+        step, decision, at = self.decisions[-1]
+        gain = decision.gain_over_baseline(replanned=at is not None)
         start = self._start_gain
         before = f" (the calibration the run started with predicted {start:+.1%})" if math.isfinite(start) else ""
         rank_zero_info(
             f"{_NAME}: against equal-token batches (max_tokens={decision.derivation.m_mem:,}, dealt at random) this "
-            f"plan trains at {decision.baseline_gain:+.1%} tokens/s under the cost model corrected at step {step} "
+            f"plan trains at {gain:+.1%} tokens/s under the cost model corrected at step {step} "
             f"from {sum(o.steps for o in decision.observed):,} training steps{before}: two simulated epochs at the "
             "step times training measured; `benchmarks/bench_quickstart.py` measures both runs side by side.")
 
