@@ -315,6 +315,33 @@ def closed_loop() -> str:
     return "\n".join(out)
 
 
+def quickstart() -> str:
+    """docs/benchmarks.md: every ``bench_quickstart.py`` record with per-pair ratios (quiet and loaded)."""
+    out = ["| date | machine | quickstart / equal-token tokens/s per pair | median | the run's own line: gain over "
+           "equal-token, corrected (as profiled) | measured/predicted per shape after correction, worst run | commit |",
+           "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for rec in read_records(RESULTS / "quickstart_cpu.json"):
+        res = rec["result"]
+        if "ratio_per_pair" not in res:
+            continue
+        machine = "beside a CPU-bound job" if res.get("load") else "quiet"
+        if res.get("disturbed"):
+            machine = "disturbed (see the record)"
+        gain = "–"
+        if res.get("gain_over_equal_token_corrected_median") is not None:
+            gain = f"{res['gain_over_equal_token_corrected_median']:+.1%}"
+            if res.get("gain_over_equal_token_predicted_median") is not None:
+                gain += f" ({res['gain_over_equal_token_predicted_median']:+.1%})"
+        bands = [[p["measured_over_predicted"] for p in r["per_shape"] if p["steps"] >= 3]
+                 for r in res.get("runs", []) if r["kind"] == "quickstart"]
+        worst = max((b for b in bands if b), key=lambda b: max(abs(x - 1) for x in b), default=None)
+        worst_s = f"{min(worst):.2f}–{max(worst):.2f}" if worst else "–"
+        out.append(f"| {rec['date'][:16].replace('T', ' ')} | {machine} | "
+                   f"{', '.join(f'{x:.2f}' for x in res['ratio_per_pair'])} | {res['ratio_median']:.2f} | {gain} "
+                   f"| {worst_s} | {_short(rec['commit'])} |")
+    return "\n".join(out)
+
+
 def fidelity() -> str:
     """docs/attention.md: the last ``bench_fidelity.py`` record, every pair of runs."""
     rec = read_records(RESULTS / "fidelity.json")[-1]
@@ -331,7 +358,7 @@ def fidelity() -> str:
 
 
 TABLES = {"peers": peers, "attention": attention, "recipes": recipes, "speed": speed, "simulate": simulate, "adaln": adaln, "sampler": sampler,
-          "breakdown": breakdown, "closed_loop": closed_loop, "fidelity": fidelity}  # fmt: skip
+          "breakdown": breakdown, "closed_loop": closed_loop, "quickstart": quickstart, "fidelity": fidelity}  # fmt: skip
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or list(TABLES):

@@ -74,7 +74,8 @@ def test_readme_measured_table_is_generated(tables):
 
 
 @pytest.mark.parametrize("page, names", [
-    ("docs/benchmarks.md", {"recipes", "speed", "simulate", "adaln", "sampler", "breakdown", "closed_loop"}),
+    ("docs/benchmarks.md", {"recipes", "speed", "simulate", "adaln", "sampler", "breakdown", "closed_loop",
+                            "quickstart"}),
     ("docs/attention.md", {"attention", "fidelity"}),
 ])  # fmt: skip
 def test_docs_tables_are_generated(tables, page, names):
