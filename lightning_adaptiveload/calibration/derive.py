@@ -476,9 +476,15 @@ def derive_policy(
         else:
             budgets = [lo] if hi <= lo * (1 + 1e-9) else np.geomspace(lo, hi, max(2, int(num_candidates))).tolist()
             results = []
+            # Neighbouring budgets often give every bucket the same B: their epochs are the same plan, so each
+            # distinct plan is simulated once (the closed loop derives again at every check).
+            simulated: dict[tuple, dict[str, float]] = {}
             for b in budgets:
                 pol = make_policy(b)
-                pred = _predict(corpus, pol, world_size, price, balance, seed)
+                key = _plan_key(pol, uniq)
+                if key not in simulated:
+                    simulated[key] = _predict(corpus, pol, world_size, price, balance, seed)
+                pred = dict(simulated[key])
                 results.append((b, pol, pred))
                 candidates.append((float(b), pred["tokens_per_s"]))
             best = max(r[2]["tokens_per_s"] for r in results)
@@ -509,6 +515,15 @@ def _flat_profile(price: Any, uniq: np.ndarray, caps: np.ndarray, hi: float, hel
             "which also give the most tokens per second when a step costs the same whatever its size). To profile "
             "again, use `force=True` on an otherwise idle device with larger shapes (`batch_sizes`) or more "
             "`repeats`; or set `step_budget_s`.")
+
+
+def _plan_key(policy: BatchSizePolicy, seq_lens: np.ndarray) -> tuple:
+    """What a simulated epoch depends on of ``policy``: the batch size (and, per-bucket checkpointing, the
+    mode) of every sequence length of the corpus."""
+    sizes = tuple(int(b) for b in np.asarray(policy.batch_sizes(seq_lens)).reshape(-1))
+    mode_for = getattr(policy, "mode_for", None)
+    modes = tuple(mode_for(int(s)) for s in seq_lens) if callable(mode_for) else ()
+    return sizes, modes
 
 
 def _policy_maker(cost_model: CostModel, tiers: Sequence[ModeTier], m_mem: Sequence[int], oversize: str) -> Any:

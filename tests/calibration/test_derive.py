@@ -265,3 +265,29 @@ def test_samples_a_sequence_parallel_group_holds_are_not_oversize():
     with pytest.raises(OversizeSampleError, match=r"above the memory budget of 100 tokens \(sequence-parallel "
                                                   r"degree 2 × 50 tokens that fit one device\)"):
         derive_for(cal, grids, counts, ProfileSettings(m_mem=50), world_size=2, sp_degree=2)
+
+
+@pytest.mark.parametrize("tiered", [False, True])
+def test_budgets_that_give_the_same_plan_are_simulated_once_with_the_same_result(monkeypatch, tiered):
+    import lightning_adaptiveload.calibration.derive as derive
+    from lightning_adaptiveload.calibration.derive import ModeTier
+
+    cm = CostModel("quadratic", {"a": 0.01, "c1": 8.68e-6, "c2": 1.482e-9})
+    if tiered:
+        grids, counts = np.array([(1, 30, 52), (21, 30, 52), (21, 45, 80)]), np.array([400, 100, 50])
+        args = dict(counts=counts, tiers=[ModeTier("none", 32760, 1.0), ModeTier("selective", 75600, 1.25)])
+        m_mem = [65_520, 160_000]
+    else:
+        grids, args, m_mem = mixture_token_grids(MIXED, 4_000), {}, 65_520
+    calls = []
+    real = derive._predict
+    monkeypatch.setattr(derive, "_predict", lambda *a: calls.append(a[1]) or real(*a))
+    d = derive_policy(cm, grids, m_mem, world_size=8, num_candidates=24, **args)
+    uniq = np.unique(grids.prod(axis=1))
+    plans = {derive._plan_key(p, uniq) for p in calls[1:]}  # calls[0]: the equal-token baseline
+    assert len(calls) - 1 == len(plans) < 24  # one simulation per distinct plan, fewer than the budgets
+    # Every budget simulated anew gives the same derivation.
+    keys = iter(range(10**6))
+    monkeypatch.setattr(derive, "_plan_key", lambda policy, seq: next(keys))
+    again = derive_policy(cm, grids, m_mem, world_size=8, num_candidates=24, **args)
+    assert again.to_dict() == d.to_dict()
