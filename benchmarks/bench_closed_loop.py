@@ -71,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     def ratios(key: str) -> list[float]:
         return [b[key] / a[key] for a, b in zip(offs, ons, strict=True) if a[key] and b[key]]
 
-    on = ons[-1]
-    last = on["decisions"][-1] if on["decisions"] else None
+    # Per on run: the last check's predicted epoch tokens/s over the one measured at the per-shape step times.
+    epoch_errors = [r["decisions"][-1]["predicted_tokens_per_s"] / r["epoch_tokens_per_s"] for r in ons
+                    if r["decisions"] and r["epoch_tokens_per_s"]]
     tps, epoch = ratios("tokens_per_s"), ratios("epoch_tokens_per_s")
     result = {"name": args.name, "overrides": args.overrides, "pairs": args.pairs, "off": offs[0], "on": ons[0],
               "runs": runs if args.pairs > 1 else None,
@@ -80,8 +81,7 @@ def main(argv: list[str] | None = None) -> int:
               "on_over_off_tokens_per_s_pairs": tps,
               "on_over_off_epoch_tokens_per_s": statistics.median(epoch) if epoch else None,
               "on_over_off_epoch_tokens_per_s_pairs": epoch,
-              "predicted_over_measured_epoch": (last["predicted_tokens_per_s"] / on["epoch_tokens_per_s"]
-                                                if last and on["epoch_tokens_per_s"] else None),
+              "predicted_over_measured_epoch": statistics.median(epoch_errors) if epoch_errors else None,
               "how": ("adaptiveload-train subprocesses, off first (it fills the cache), then on, on, off, ...; every "
                       "run after the first from the profiled cache; BalanceMonitor means; ratios: median over pairs")}
     append_record(args.out, "bench_closed_loop.py", result, run)

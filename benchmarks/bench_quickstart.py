@@ -70,7 +70,8 @@ def run_train(kind: str, extra: list[str], work: Path, cache: Path, timeout: int
             # The run's own line at the end: its plan over equal-token batches under the corrected model, and as
             # the starting calibration predicted (simulated epochs; the pairs measure the two side by side).
             "gain_over_equal_token_corrected": float(gain[1]) / 100 if gain else None,
-            "gain_over_equal_token_predicted": float(gain[2]) / 100 if gain and gain[2] else None, "tokens_per_s": metrics.get("balance/tokens_per_s"),
+            "gain_over_equal_token_predicted": float(gain[2]) / 100 if gain and gain[2] else None,
+            "tokens_per_s": metrics.get("balance/tokens_per_s"),
             "epoch_tokens_per_s": metrics.get("balance/epoch_tokens_per_s"), "steps": metrics.get("balance/steps"),
             "mfu": metrics.get("balance/mfu"), "epoch_mfu": metrics.get("balance/epoch_mfu"),
             "sm_clock_mhz": metrics.get("balance/sm_clock_mhz"), "power_w": metrics.get("balance/power_w"),

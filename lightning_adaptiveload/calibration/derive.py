@@ -338,10 +338,15 @@ class Derivation:
             **({"warning": self.warning} if self.warning else {}),
         }
 
+    @property
+    def baseline_gain(self) -> float:
+        """Predicted tokens/s over the equal-token baseline's, minus 1 (NaN without a baseline)."""
+        base = float(self.baseline.get("tokens_per_s", 0.0))
+        return float(self.predicted["tokens_per_s"]) / base - 1 if base > 0 else float("nan")
+
     def summary(self) -> str:
         """One line: the policy's predicted throughput against the equal-token baseline."""
-        p, b = self.predicted, self.baseline
-        gain = p["tokens_per_s"] / b["tokens_per_s"] - 1 if b["tokens_per_s"] > 0 else float("nan")
+        p, b, gain = self.predicted, self.baseline, self.baseline_gain
         mode = f", all in '{self.tiers[-1]['mode']}'" if len(self.tiers) > 1 else ""
         return (
             f"predicted on {self.world_size} rank(s): {p['tokens_per_s']:,.0f} tokens/s, compute CV "

@@ -329,13 +329,16 @@ class Decision:
     ratio_after: tuple[float, ...] = ()
     corrected: record.Calibration | None = None
 
+    def tokens_per_s(self, replanned: bool) -> float:
+        """The simulated tokens/s (under the corrected cost model) of the plan training runs after this
+        decision: the new policy's where it ``replanned``, else the running one's."""
+        return self.new_tokens_per_s if replanned else self.old_tokens_per_s
+
     def gain_over_baseline(self, replanned: bool) -> float:
-        """The simulated tokens/s of the plan training runs after this decision (the new policy's where it
-        ``replanned``, else the running one's) over the equal-token baseline's (``B = m_mem // S``, dealt at
-        random), all under the corrected cost model, minus 1; NaN without a baseline."""
+        """:meth:`tokens_per_s` over the equal-token baseline's (``B = m_mem // S``, dealt at random), both
+        under the corrected cost model, minus 1; NaN without a baseline."""
         base = float(self.derivation.baseline.get("tokens_per_s", 0.0))
-        tps = self.new_tokens_per_s if replanned else self.old_tokens_per_s
-        return tps / base - 1 if base > 0 else float("nan")
+        return self.tokens_per_s(replanned) / base - 1 if base > 0 else float("nan")
 
     def summary(self) -> str:
         """One line: the verdict, the batch sizes that change, measured/predicted before and after."""

@@ -234,7 +234,7 @@ class ShapeBenchmarkCallback(Callback):
             say=lambda line: rank_zero_info(f"{_NAME}: {line}"), warn=lambda line: rank_zero_warn(f"{_NAME}: {line}"))
         self.profiled = result.profiled
         self._apply(trainer, pl_module, result.calibration, result.derivation, result.source)
-        self._start_gain = _baseline_gain(result.derivation)
+        self._start_gain = result.derivation.baseline_gain
 
     @override
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -332,7 +332,7 @@ class ShapeBenchmarkCallback(Callback):
         if decision.replan and at is None:
             more = self.closed_loop_confirm - self._wanted
             where = f"; re-plans if the next {more} check(s) agree (closed_loop_confirm={self.closed_loop_confirm})"
-        tps = decision.new_tokens_per_s if at is not None else decision.old_tokens_per_s
+        tps = decision.tokens_per_s(replanned=at is not None)
         rank_zero_info(f"{_NAME}: step {step}: {decision.summary()}{where}; the plan now trains at {tps:,.0f} "
                        f"predicted tokens/s ({time.perf_counter() - start:.2f} s)")
         if self.cache_dir is not None and trainer.is_global_zero:
@@ -388,9 +388,3 @@ class ShapeBenchmarkCallback(Callback):
         if trainer.is_global_zero:
             print_calibration(cal, derivation, source)
             save_calibration(cal, derivation, self.save_dir or log_dir(trainer))
-
-
-def _baseline_gain(derivation: derive.Derivation) -> float:
-    """The derived policy's predicted tokens/s over the equal-token baseline's, minus 1 (NaN without one)."""
-    base = float(derivation.baseline.get("tokens_per_s", 0.0))
-    return float(derivation.predicted["tokens_per_s"]) / base - 1 if base > 0 else float("nan")
