@@ -12,6 +12,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +83,10 @@ class ShapeBenchmarkCallback(Callback):
     the corrected model at ``closed_loop_confirm`` consecutive checks (2: a single check's gain can be a
     transient; on the 2-core CPU quickstart one check's re-plan on a slow start cost 7% of tokens/s), the
     DataModule re-plans from the next step no rank has drawn (every sample still once per epoch); otherwise
-    only the predictions change. Either way one line says what changed, the
+    only the predictions change. The refit and the comparison run on a background thread while training
+    goes on; their decision is applied at the next training step (every rank waits there for the same
+    decision, computed from the same broadcast step times), so the training thread pays one broadcast per
+    check. Either way one line says what changed, the
     corrected calibration replaces the cache entry (marked as corrected from N training steps), and after
     a re-plan the checkpoints carry it, so a resume plans the same batches.
 
@@ -172,6 +176,9 @@ class ShapeBenchmarkCallback(Callback):
         self.closed_loop_confirm = closed_loop_confirm
         self._wanted = 0  # consecutive checks that called for a re-plan (the same on every rank)
         self._next_check: int | None = None
+        # The check being computed on the background thread: (global step it was taken at, its result).
+        self._pending: tuple[int, Future] | None = None
+        self._pool: ThreadPoolExecutor | None = None
         self._loop_warned = False
         #: The closed loop's decisions of this fit: ``(global step, Decision, re-planned at epoch step or None)``.
         self.decisions: list[tuple[int, feedback.Decision, int | None]] = []
@@ -278,23 +285,26 @@ class ShapeBenchmarkCallback(Callback):
         if not (self.enabled and self.closed_loop) or self.calibration is None or self.derivation is None:
             return
         step = trainer.global_step
+        if self._pending is not None and step > self._pending[0]:
+            self._finish_check(trainer, step)
         if self._next_check is None:  # the schedule continues after a resume
             self._next_check = self.closed_loop_every_n_steps
             while self._next_check <= step:
                 self._next_check *= 2
             return
-        if step < self._next_check:
+        if step < self._next_check or self._pending is not None:
             return
         self._next_check = max(self._next_check, step) * 2
-        self._close_the_loop(trainer, step)
+        self._start_check(trainer, step)
 
-    def _close_the_loop(self, trainer: Trainer, step: int) -> None:
+    def _start_check(self, trainer: Trainer, step: int) -> None:
+        """Take training's step times (one broadcast) and hand the refit and comparison to the background
+        thread; :meth:`_finish_check` applies the decision at the next step."""
         monitor = next((cb for cb in trainer.callbacks if isinstance(cb, BalanceMonitor)), None)
-        dm = trainer.datamodule
         why = None
         if monitor is None:
             why = "it needs a BalanceMonitor in the Trainer's callbacks (it measures the steps)"
-        elif getattr(dm, "sp_config", None) is not None:
+        elif getattr(trainer.datamodule, "sp_config", None) is not None:
             why = "re-planning is not supported with sequence parallelism"
         if why is not None:
             if not self._loop_warned:
@@ -306,42 +316,77 @@ class ShapeBenchmarkCallback(Callback):
                                                          monitor.overhead_s()))
         if not observed:
             return
-        start = time.perf_counter()
         grids, counts = corpus(trainer)
+        args = (self.calibration, self.derivation, [feedback.Observation(*o) for o in observed], overhead, grids,
+                counts, trainer.world_size, sampler_settings(trainer), samples_of(trainer))
+        if self._pool is None:
+            # One worker: checks are computed in order. A thread, not a process: the work is numpy and short,
+            # and a thread shares the calibration without pickling it; the training thread mostly waits on
+            # kernels (or sleeps in torch ops that release the GIL) while it runs.
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adaptiveload-closed-loop")
+        self._pending = (step, self._pool.submit(self._decide, self.settings, *args))
+
+    @staticmethod
+    def _decide(settings: ProfileSettings, calibration: record.Calibration, derivation: derive.Derivation,
+                observed: list[feedback.Observation], overhead: float | None, grids: Any, counts: Any,
+                world_size: int, sampler: dict[str, Any], samples: Any
+                ) -> tuple[record.Calibration, feedback.Decision, float]:
+        """The closed loop's computation (background thread): refit, then compare the corrected policy with
+        the running one. A pure function of its arguments, so every rank reaches the same decision."""
+        start = time.perf_counter()
+        corrected = feedback.refit(calibration, observed, overhead_s=overhead)
+        decision = feedback.compare(calibration, derivation, corrected, grids, counts, settings,
+                                    world_size=world_size, **sampler, samples=samples)
+        return corrected, decision, time.perf_counter() - start
+
+    def _finish_check(self, trainer: Trainer, step: int, *, apply: bool = True) -> None:
+        """Apply the pending check's decision at training step ``step`` (waiting for it if it is not done)."""
+        (checked, future), self._pending = self._pending, None
+        waited = time.perf_counter()
         try:
-            corrected = feedback.refit(self.calibration, [feedback.Observation(*o) for o in observed],
-                                       overhead_s=overhead)
-            decision = feedback.compare(self.calibration, self.derivation, corrected, grids, counts, self.settings,
-                                        world_size=trainer.world_size, **sampler_settings(trainer),
-                                        samples=samples_of(trainer))
+            corrected, decision, took = future.result()
         except (ValueError, record.CalibrationError) as err:
-            rank_zero_warn(f"{_NAME}: step {step}: the closed loop could not correct the calibration ({err}); "
+            rank_zero_warn(f"{_NAME}: step {checked}: the closed loop could not correct the calibration ({err}); "
                            "keeping it.")
             return
+        waited = time.perf_counter() - waited
+        dm = trainer.datamodule
         at = None
         model = decision.derivation.cost_model or corrected.cost_model
         self._wanted = self._wanted + 1 if decision.replan else 0
-        if decision.replan and self._wanted >= self.closed_loop_confirm:
+        if apply and decision.replan and self._wanted >= self.closed_loop_confirm:
             self._wanted = 0
             at = dm.replan(decision.derivation.policy, model)
             self.calibration, self.derivation = corrected, decision.derivation
             self.source = f"corrected from {corrected.extra['provenance']['training_steps']} training steps"
-        monitor.set_cost_model(model)
-        self.decisions.append((step, decision, at))
+        monitor = next((cb for cb in trainer.callbacks if isinstance(cb, BalanceMonitor)), None)
+        if monitor is not None:
+            monitor.set_cost_model(model)
+        self.decisions.append((checked, decision, at))
         where = f"; re-planned from step {at} of the epoch" if at is not None else ""
         if decision.replan and at is None:
             more = self.closed_loop_confirm - self._wanted
-            where = f"; re-plans if the next {more} check(s) agree (closed_loop_confirm={self.closed_loop_confirm})"
+            where = (f"; re-plans if the next {more} check(s) agree (closed_loop_confirm={self.closed_loop_confirm})"
+                     if apply else "; training ended before it could re-plan")
         tps = decision.tokens_per_s(replanned=at is not None)
-        rank_zero_info(f"{_NAME}: step {step}: {decision.summary()}{where}; the plan now trains at {tps:,.0f} "
-                       f"predicted tokens/s ({time.perf_counter() - start:.2f} s)")
+        rank_zero_info(f"{_NAME}: step {checked}: {decision.summary()}{where}; the plan now trains at {tps:,.0f} "
+                       f"predicted tokens/s ({took:.2f} s on a background thread, applied at step {step}; "
+                       f"training waited {waited:.2f} s)")
         if self.cache_dir is not None and trainer.is_global_zero:
             record.write_cache(self.cache_dir, corrected)
+
+    def _stop_pool(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Say what the plan gains over equal-token batches under the model training corrected, beside what the
         profile predicted (the line printed with the calibration)."""
+        if self._pending is not None:  # a check from the last steps: its figures, nothing re-planned
+            self._finish_check(trainer, trainer.global_step, apply=False)
+        self._stop_pool()
         if not (self.enabled and self.decisions) or self.derivation is None:
             return
         step, decision, at = self.decisions[-1]
@@ -357,12 +402,19 @@ class ShapeBenchmarkCallback(Callback):
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """Say what the calibration predicted, and what to change, when a training batch runs out of memory."""
+        self._pending = None
+        self._stop_pool()
         last, cal = self._last_batch, self.calibration
         if not (self.enabled and last and cal is not None and trainer.training and is_out_of_memory(exception)):
             return
         step, b, s = last
         advice = out_of_memory_advice(cal, self.derivation, b, s, self.settings.memory_margin)
         rank_zero_warn(f"{_NAME}: training step {step} {advice}")
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._pending = None
+        self._stop_pool()
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -176,6 +176,37 @@ def test_a_transient_slow_start_is_not_re_planned_on_unless_the_next_check_agree
     assert one.decisions[0][2] is not None and dm1.sampler.replans
 
 
+def test_the_check_is_computed_off_the_training_thread_and_applied_at_the_next_step(tmp_path, monkeypatch, caplog):
+    # The comparison waits until training has taken another step: on the training thread that never happens
+    # (the step cannot advance while its own hook runs) and the wait times out.
+    import threading
+
+    from lightning_adaptiveload.calibration import feedback
+
+    compare, trainers, seen = feedback.compare, [], []
+
+    def slow_compare(*args, **kwargs):
+        trainer = trainers[0]
+        taken = trainer.global_step
+        deadline = time.monotonic() + 3.0
+        while trainer.global_step == taken and time.monotonic() < deadline:
+            time.sleep(0.005)
+        seen.append((threading.current_thread() is threading.main_thread(), taken, trainer.global_step))
+        return compare(*args, **kwargs)
+
+    class Grab(Callback):
+        def on_fit_start(self, trainer, pl_module):
+            trainers.append(trainer)
+
+    monkeypatch.setattr(feedback, "compare", slow_compare)
+    with caplog.at_level(logging.INFO):
+        bench, _, _, _ = _fit(tmp_path, SleepModule(), every=10, max_steps=25, callbacks=[Grab()])
+    assert seen and all(not main and after > taken for main, taken, after in seen), seen
+    assert [step for step, _, _ in bench.decisions] == [10, 20]
+    lines = [r.getMessage() for r in caplog.records if "on a background thread" in r.getMessage()]
+    assert [line.split("applied at step ")[1].split(";")[0] for line in lines] == ["11", "21"], lines
+
+
 def test_closed_loop_confirm_must_be_a_positive_integer():
     with pytest.raises(ValueError, match=r"closed_loop_confirm=0.*positive integer"):
         ShapeBenchmarkCallback(closed_loop_confirm=0)
