@@ -81,10 +81,15 @@ def sampler() -> str:
 
 
 def breakdown() -> str:
-    """The latest record of ``step_breakdown_h200x1.json`` (step_breakdown.py's own table)."""
+    """The records of ``step_breakdown_h200x1.json`` measured at the last record's commit (one session: the
+    project's Wan beside diffusers' at the same shapes), each in step_breakdown.py's own table under its model."""
     from step_breakdown import table
 
-    return table(load_result(RESULTS / "step_breakdown_h200x1.json", benchmark="step_breakdown.py"))
+    records = [r for r in read_records(RESULTS / "step_breakdown_h200x1.json") if r.get("benchmark") == "step_breakdown.py"]
+    session = [r for r in records if r["commit"] == records[-1]["commit"]]
+    return "\n\n".join(f"`--model {r['result']['meta']['model']}` (`{r['result']['meta']['setting']}`"
+                         + "".join(f", `{o}`" for o in r["result"]["meta"].get("overrides", [])) + f", {_short(r['commit'])}):\n\n"
+                         + table(r["result"]) for r in session)
 
 
 # The README's measured table: each row names the record (by its log in ``source.files``) that gives its
