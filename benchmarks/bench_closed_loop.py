@@ -7,7 +7,10 @@ over the call weighs on both sides alike); every run after the first starts from
 (the cache is restored from a copy taken after the first run, so an on run's corrected entry does not reach
 the runs after it). The record holds every run and the median of the pairs' on/off ratios of tokens/s and of
 the epoch estimate (the mixed corpus draws different shapes in a short run, so its tokens/s ratio is noisy;
-the epoch estimate weighs each shape's measured step time by the epoch's own counts).
+the epoch estimate weighs each shape's measured step time by the epoch's own counts). ``--first on`` starts
+with the on run (on, off, off, on, ...), so two calls of one pair each (``--first off``, then ``--first on``)
+make one ABBA series where a call cannot hold two pairs; it needs ``callbacks.shape_benchmark.force=true``
+(every run profiles), else the first run's corrected entry would seed the others.
 
 Records per run the tokens/s (``BalanceMonitor``'s run mean), the epoch estimate at the measured per-shape
 step times, the closed loop's decisions (measured/predicted before and after correction, the predicted
@@ -40,10 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=None, help="keep the runs' output here (default: a temp dir)")
     p.add_argument("--out", type=Path, default=RESULTS / "closed_loop.json")
     p.add_argument("--pairs", type=int, default=1, help="off/on pairs (default 1)")
+    p.add_argument("--first", choices=("off", "on"), default="off", help="the run each series starts with")
     p.add_argument("overrides", nargs="*", help="Hydra overrides of every run")
     args = p.parse_args(argv)
     if args.pairs < 1:
         p.error(f"--pairs {args.pairs}: expected a positive integer")
+    if args.first == "on" and "callbacks.shape_benchmark.force=true" not in args.overrides:
+        p.error("--first on: add the override callbacks.shape_benchmark.force=true (every run profiles); "
+                "without it the on run's corrected cache entry would seed the off runs")
     run = run_info()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     runs: list[dict] = []
@@ -51,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         work = args.work or Path(tmp)
         cache, profiled = work / "cache", work / "cache_profiled"
         for i in range(args.pairs):
-            for kind in ("off", "on") if i % 2 == 0 else ("on", "off"):
+            order = ("off", "on") if (i % 2 == 0) == (args.first == "off") else ("on", "off")
+            for kind in order:
                 if runs:  # every run after the first from the profiled calibration
                     shutil.rmtree(cache, ignore_errors=True)
                     shutil.copytree(profiled, cache)
@@ -75,15 +83,17 @@ def main(argv: list[str] | None = None) -> int:
     epoch_errors = [r["decisions"][-1]["predicted_tokens_per_s"] / r["epoch_tokens_per_s"] for r in ons
                     if r["decisions"] and r["epoch_tokens_per_s"]]
     tps, epoch = ratios("tokens_per_s"), ratios("epoch_tokens_per_s")
-    result = {"name": args.name, "overrides": args.overrides, "pairs": args.pairs, "off": offs[0], "on": ons[0],
+    result = {"name": args.name, "overrides": args.overrides, "pairs": args.pairs, "first": args.first,
+              "off": offs[0], "on": ons[0],
               "runs": runs if args.pairs > 1 else None,
               "on_over_off_tokens_per_s": statistics.median(tps) if tps else None,
               "on_over_off_tokens_per_s_pairs": tps,
               "on_over_off_epoch_tokens_per_s": statistics.median(epoch) if epoch else None,
               "on_over_off_epoch_tokens_per_s_pairs": epoch,
               "predicted_over_measured_epoch": statistics.median(epoch_errors) if epoch_errors else None,
-              "how": ("adaptiveload-train subprocesses, off first (it fills the cache), then on, on, off, ...; every "
-                      "run after the first from the profiled cache; BalanceMonitor means; ratios: median over pairs")}
+              "how": (f"adaptiveload-train subprocesses, {args.first} first (it fills the cache), then alternating in pairs "
+                      "(ABBA); every run after the first from the profiled cache; BalanceMonitor means; ratios: median "
+                      "over pairs")}
     append_record(args.out, "bench_closed_loop.py", result, run)
     print({k: v for k, v in result.items() if k not in ("off", "on", "runs")})
     return 0

@@ -33,6 +33,7 @@ from _results import RESULTS, append_record, run_info  # noqa: E402
 BASELINE = ["bucketing=equal_token", "bucketing.policy.max_tokens=4096"]
 _GAIN = re.compile(r"this plan trains at ([+-][0-9.]+)% tokens/s under the cost model corrected"
                    r"(?:.*?started with predicted ([+-][0-9.]+)%)?")
+_SOURCE = re.compile(r"Shape benchmark \(([^;)]+)")
 _DECISION = re.compile(r"`ShapeBenchmarkCallback`: step (\d+): (re-plan|keep the plan): ([+-][0-9.]+)% .*?"
                        r"measured/predicted over \d+ shape\(s\), [0-9,]+ steps: ([0-9.]+) \(([0-9.]+)-([0-9.]+)\) -> "
                        r"([0-9.]+) \(([0-9.]+)-([0-9.]+)\).*?the plan now trains at ([0-9,]+) predicted tokens/s")
@@ -66,6 +67,7 @@ def run_train(kind: str, extra: list[str], work: Path, cache: Path, timeout: int
                   "ratio_after": [float(m[7]), float(m[8]), float(m[9])],
                   "predicted_tokens_per_s": float(m[10].replace(",", ""))} for m in _DECISION.finditer(log)]
     gain = _GAIN.search(log)
+    source = _SOURCE.search(log)
     return {"kind": kind, "wall_s": wall,
             # The run's own line at the end: its plan over equal-token batches under the corrected model, and as
             # the starting calibration predicted (simulated epochs; the pairs measure the two side by side).
@@ -76,7 +78,10 @@ def run_train(kind: str, extra: list[str], work: Path, cache: Path, timeout: int
             "mfu": metrics.get("balance/mfu"), "epoch_mfu": metrics.get("balance/epoch_mfu"),
             "sm_clock_mhz": metrics.get("balance/sm_clock_mhz"), "power_w": metrics.get("balance/power_w"),
             "attention": [line for line in log.splitlines() if "attention=auto" in line][-1:],
-            "profiled": "profiled in" in log, "decisions": decisions, "overrides": args[3:],
+            # The calibration table's title names its source ("profiled", "cache", "checkpoint", "file ..."); a
+            # profile too noisy to keep is cached as provisional, so the next run profiles again.
+            "calibration_source": source[1] if source else None, "profiled": bool(source) and source[1] == "profiled",
+            "provisional": "too noisy to keep" in log, "decisions": decisions, "overrides": args[3:],
             "per_shape": [{k: r[k] for k in ("B", "S", "steps", "measured_over_predicted") if k in r}
                           for r in metrics.get("per_shape", [])]}
 
