@@ -92,6 +92,12 @@ class WanConfig:
         qk_norm: RMSNorm on queries and keys.
         cross_attn_norm: affine LayerNorm before cross-attention.
         window_size: local attention window; only global attention ``(-1, -1)`` is supported.
+        residual_fp32: keep the residual stream between blocks in fp32, as Wan's reference does. ``False``
+            keeps it in the dtype the patch embedding computes in (bf16 under ``bf16-mixed``) and adds each
+            update in fp32, rounding once, as diffusers' ``WanTransformerBlock``: the AdaLN, RoPE and
+            element-wise kernels then read and write half the bytes (on one H200 the fp32 stream cost 2.4%
+            of a 2 x 14,040 step and 0.4% of a 1 x 32,760 one against diffusers' model, ``docs/benchmarks.md``
+            3). It changes the numerics, so a checkpoint trains on from where it was, not bit for bit.
     """
 
     dim: int
@@ -109,6 +115,7 @@ class WanConfig:
     qk_norm: bool = True
     cross_attn_norm: bool = True
     window_size: tuple[int, int] = field(default=(-1, -1))
+    residual_fp32: bool = True
 
     def __post_init__(self) -> None:
         # Lists come from YAML/JSON; keep the frozen config hashable and comparable.
@@ -438,12 +445,15 @@ class WanAttentionBlock(nn.Module):
         # (pytorch/pytorch#193061). The slices' gradients are summed into a fresh buffer instead.
         mod = self.modulation.float() + e0.float()
         shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = (mod[:, i:i + 1] for i in range(6))
-        # Residual updates are plain tensor ops (autocast leaves them alone): promoting with the
-        # fp32 gate keeps the residual stream in fp32 from block 0 on, as in Wan.
-        y = self.self_attn(self.norm1(x, scale_sa, shift_sa), rope=rope, sequence_parallel=sequence_parallel)
-        x = x + y * gate_sa
-        x = x + self.cross_attn(self.norm3(x), context=context)
-        x = x + self.ffn(self.norm2(x, scale_ff, shift_ff)) * gate_ff
+        # Residual updates are plain tensor ops (autocast leaves them alone), added in fp32 and kept in the
+        # stream's dtype: fp32 from block 0 on, as in Wan (`residual_fp32`, where the casts are no-ops), or
+        # the patch embedding's compute dtype, rounded once per update, as diffusers' block does.
+        # The modulated norms write the stream's dtype (fp32 stream: the promoted dtype, as before).
+        y = self.self_attn(self.norm1(x, scale_sa, shift_sa, out_dtype=x.dtype), rope=rope,
+                           sequence_parallel=sequence_parallel)
+        x = (x.float() + y * gate_sa).to(x.dtype)
+        x = (x.float() + self.cross_attn(self.norm3(x), context=context)).to(x.dtype)
+        x = (x.float() + self.ffn(self.norm2(x, scale_ff, shift_ff, out_dtype=x.dtype)) * gate_ff).to(x.dtype)
         return x
 
 
@@ -634,8 +644,11 @@ class WanModel(nn.Module):
 
         # [B, S, D] in fp32: the residual stream is fp32 from the first block's update on (as in Wan), so
         # upcasting the embedding (exact) changes no value and gives every block inputs of one dtype; else
-        # block 0 sees the bf16 of autocast and the rest fp32, and compiled blocks compile both.
-        tokens = self.patch_embedding(x).flatten(2).transpose(1, 2).float()
+        # block 0 sees the bf16 of autocast and the rest fp32, and compiled blocks compile both. Without
+        # `residual_fp32` the stream stays in the embedding's dtype (bf16 under autocast) throughout.
+        tokens = self.patch_embedding(x).flatten(2).transpose(1, 2)
+        if cfg.residual_fp32:
+            tokens = tokens.float()
 
         # Time embedding and its projection in fp32 (the reference asserts fp32 modulation).
         with torch.autocast(device_type=x.device.type, enabled=False):

@@ -44,8 +44,10 @@ class AdaLayerNorm(nn.Module):
             self.register_parameter("weight", None)
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-        return adaln_ref(x, scale, shift, self.weight, self.bias, self.eps, self.out_dtype)
+    def forward(self, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``out_dtype`` overrides the module's for this call (a caller that keeps its stream's dtype)."""
+        return adaln_ref(x, scale, shift, self.weight, self.bias, self.eps, out_dtype or self.out_dtype)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
@@ -76,5 +78,6 @@ class FusedAdaLayerNorm(AdaLayerNorm):
         fused.train(module.training)
         return fused
 
-    def forward(self, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-        return adaln(x, scale, shift, self.weight, self.bias, self.eps, self.out_dtype)
+    def forward(self, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return adaln(x, scale, shift, self.weight, self.bias, self.eps, out_dtype or self.out_dtype)

@@ -181,9 +181,9 @@ def test_block_modulation_is_fp32_strided_views(monkeypatch):
     seen = []
     original = AdaLayerNorm.forward
 
-    def spy(self, x, scale, shift):
+    def spy(self, x, scale, shift, **kwargs):
         seen.append((scale, shift))
-        return original(self, x, scale, shift)
+        return original(self, x, scale, shift, **kwargs)
 
     monkeypatch.setattr(AdaLayerNorm, "forward", spy)
     model = _model()
@@ -380,3 +380,29 @@ def test_bad_config_raises(kwargs, match):
     fields = {"dim": 64, "ffn_dim": 128, "num_heads": 4, "num_layers": 1} | kwargs
     with pytest.raises(ValueError, match=match):
         WanConfig(**fields)
+
+
+def test_residual_stream_dtype_follows_residual_fp32():
+    # Under bf16 autocast, `residual_fp32=False` keeps the stream between blocks (and the modulated norms'
+    # outputs) in bf16, as diffusers' block does; the default keeps both in fp32, as Wan does. Both stay
+    # close to an fp32 run of the same weights without autocast (an update dropped or mis-gated would not).
+    import dataclasses
+
+    seen: dict[str, list[torch.dtype]] = {}
+    x, t, ctx = _inputs(_model(), 2, (2, 4, 6))
+    ref = _model()(x, t, ctx)
+    for name, config in (("fp32", TINY), ("bf16", dataclasses.replace(TINY, residual_fp32=False))):
+        model = _model(config)
+        seen[name] = []
+        for block in model.blocks:
+            block.register_forward_pre_hook(lambda m, args, s=seen[name]: s.append(args[0].dtype))
+            block.norm1.register_forward_hook(lambda m, args, out, s=seen[name]: s.append(out.dtype))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x, t, ctx)
+        assert out.dtype == torch.float32
+        assert (out - ref).norm() / ref.norm() < 0.05, name
+    assert set(seen["fp32"]) == {torch.float32} and set(seen["bf16"]) == {torch.bfloat16}
+    assert len(seen["bf16"]) == 2 * TINY.num_layers
+    # Without autocast the embedding computes in fp32, so the stream is fp32 either way.
+    model = _model(dataclasses.replace(TINY, residual_fp32=False))
+    assert (model(x, t, ctx) - _model()(x, t, ctx)).abs().max() == 0
