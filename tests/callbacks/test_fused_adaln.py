@@ -201,3 +201,30 @@ def test_patched_tiny_wan_matches_unpatched():
     for a, b in zip(*grads, strict=True):
         if a is not None:
             torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.cuda
+def test_patched_tiny_wan_with_a_bf16_residual_stream_matches_unpatched():
+    # `residual_fp32=False` under bf16 autocast: the fused op gets bf16 rows and writes bf16 (the stream's
+    # dtype); loss and gradients agree with the reference path to bf16 rounding.
+    torch.manual_seed(0)
+    ref = FlowMatchingModule({"preset": "tiny", "residual_fp32": False})
+    ref.configure_model()
+    ref = ref.cuda()
+    fused = copy.deepcopy(ref)
+    assert apply_fused_adaln(fused) == 2 * WAN_CONFIGS["tiny"].num_layers + 1
+    batch = ref.synthetic_batch(2, (3, 4, 6), device="cuda")
+    losses, grads, dtypes = [], [], []
+    for m in (ref, fused):
+        hook = m.model.blocks[0].norm1.register_forward_hook(lambda mod, args, out: dtypes.append((args[0].dtype, out.dtype)))
+        torch.manual_seed(1)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = m.compute_loss(batch)
+        hook.remove()
+        losses.append(loss.detach().float())
+        grads.append(torch.autograd.grad(loss, [p for p in m.parameters() if p.requires_grad], allow_unused=True))
+    assert dtypes == [(torch.bfloat16, torch.bfloat16)] * 2
+    torch.testing.assert_close(losses[0], losses[1], rtol=2e-2, atol=1e-3)
+    for a, b in zip(*grads, strict=True):
+        if a is not None:
+            assert (a.float() - b.float()).norm() <= 0.05 * a.float().norm() + 1e-6
