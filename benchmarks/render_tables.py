@@ -266,7 +266,7 @@ ATTENTION_ROWS = {  # bench_attention.py --name (benchmarks/device/gpu_attention
 
 
 def attention() -> str:
-    """README and docs/attention.md: the last ``bench_attention.py`` record of each recipe, sdpa beside auto."""
+    """docs/attention.md: the last ``bench_attention.py`` record of each recipe, sdpa beside auto."""
     last = {r["result"]["name"]: r for r in read_records(RESULTS / "attention.json") if r["result"].get("what") == "recipe"}
     out = ["| command (`adaptiveload-train ... trainer.devices=1`) | steps | sdpa tokens/s (MFU) | auto tokens/s (MFU) "
            "| epoch MFU sdpa → auto | auto / sdpa | commit |",
