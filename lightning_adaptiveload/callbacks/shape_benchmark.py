@@ -12,7 +12,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -374,6 +374,21 @@ class ShapeBenchmarkCallback(Callback):
                        f"training waited {waited:.2f} s)")
         if self.cache_dir is not None and trainer.is_global_zero:
             record.write_cache(self.cache_dir, corrected)
+
+    def _settle(self) -> None:
+        """Wait for a check still being computed (its decision is applied at the next step as usual): a DataLoader
+        forks its workers when an epoch or a validation run starts, and a fork while the background thread is
+        inside numpy or scipy can leave the child holding their locks."""
+        if self._pending is not None:
+            wait([self._pending[1]])
+
+    @override
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._settle()
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._settle()
 
     def _stop_pool(self) -> None:
         if self._pool is not None:

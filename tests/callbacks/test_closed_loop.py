@@ -207,6 +207,20 @@ def test_the_check_is_computed_off_the_training_thread_and_applied_at_the_next_s
     assert [line.split("applied at step ")[1].split(";")[0] for line in lines] == ["11", "21"], lines
 
 
+@pytest.mark.parametrize("hook", ["on_train_epoch_end", "on_validation_start"])
+def test_a_check_still_computing_is_waited_for_before_dataloaders_fork(hook):
+    # A new epoch or a validation run forks the DataLoader's workers; the background computation must not be
+    # inside numpy or scipy then. The decision itself is still applied at the next training step.
+    from concurrent.futures import ThreadPoolExecutor
+
+    bench = ShapeBenchmarkCallback()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        future = pool.submit(time.sleep, 0.3)
+        bench._pending = (7, future)
+        getattr(bench, hook)(None, None)
+        assert future.done() and bench._pending == (7, future)
+
+
 def test_closed_loop_confirm_must_be_a_positive_integer():
     with pytest.raises(ValueError, match=r"closed_loop_confirm=0.*positive integer"):
         ShapeBenchmarkCallback(closed_loop_confirm=0)
