@@ -1,0 +1,98 @@
+"""Two setups of one ``adaptiveload-train`` command side by side: arm A's and arm B's overrides on top of the
+common ones, ``--pairs`` pairs in ABBA order (A, B, B, A, ...; ``--first b`` starts with B), one subprocess a run.
+
+Records every run (``BalanceMonitor``'s run mean and epoch estimate, the closed loop's decisions, the per-shape
+measured/predicted ratios, the calibration's source) and the median over pairs of B's tokens/s over A's, of the
+run means and of the epoch estimates. ``--load`` runs a CPU-bound process beside the runs. Every run shares one
+calibration cache (the first profiling run fills it), so pass ``callbacks.shape_benchmark.closed_loop=false``
+where the arms must start from the same calibration, or ``callbacks.shape_benchmark.force=true`` for a profile
+per run.
+
+    python benchmarks/bench_ab.py --name quickstart_b120 \\
+        --a 'bucketing.policy.batch_sizes={16: 256, 64: 64, 72: 56, 120: 34}' \\
+        --b 'bucketing.policy.batch_sizes={16: 256, 64: 64, 72: 56, 120: 33}' \\
+        -- bucketing=fixed bucketing.balance=cost callbacks.shape_benchmark.closed_loop=false      # 2-core CPU
+    python benchmarks/bench_ab.py --name wan480p_residual --pairs 1 --a ++model.model.residual_fp32=true \\
+        --b ++model.model.residual_fp32=false -- experiment=wan2_1_1_3b_480p trainer.devices=1 trainer.max_steps=40
+Appends one record to ``benchmarks/results/ab.json`` (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import RESULTS, append_record, run_info  # noqa: E402
+from bench_quickstart import _burn, run_train  # noqa: E402
+
+
+def order(pairs: int, first: str) -> list[str]:
+    """The arms of ``pairs`` ABBA pairs, starting with ``first``: ``a, b, b, a, a, b, ...``."""
+    other = "b" if first == "a" else "a"
+    return [arm for i in range(pairs) for arm in ((first, other) if i % 2 == 0 else (other, first))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--name", required=True, help="what is compared, stored with the record")
+    p.add_argument("--a", nargs="+", required=True, help="arm A's overrides")
+    p.add_argument("--b", nargs="+", required=True, help="arm B's overrides")
+    p.add_argument("--pairs", type=int, default=4)
+    p.add_argument("--first", choices=("a", "b"), default="a", help="the arm each series starts with")
+    p.add_argument("--load", action="store_true", help="run a CPU-bound process beside the runs")
+    p.add_argument("--timeout", type=int, default=900, help="seconds per run")
+    p.add_argument("--work", type=Path, default=None, help="keep the runs' output here (default: a temp dir)")
+    p.add_argument("--out", type=Path, default=RESULTS / "ab.json")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides of every run")
+    args = p.parse_args(argv)
+    if args.pairs < 1:
+        p.error(f"--pairs {args.pairs}: expected a positive integer")
+    run = run_info()
+    stop = multiprocessing.Event()
+    burner = multiprocessing.Process(target=_burn, args=(stop,), daemon=True) if args.load else None
+    if burner is not None:
+        burner.start()
+    runs: list[dict[str, Any]] = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            work = args.work or Path(tmp)
+            arms = order(args.pairs, args.first)
+            for i, arm in enumerate(arms):
+                runs.append(run_train(arm, [*args.overrides, *getattr(args, arm)], work, work / "cache", args.timeout))
+                r = runs[-1]
+                # A run cut off by a time limit still leaves the runs before it.
+                args.out.with_suffix(".partial.json").write_text(json.dumps(runs, indent=1))
+                print(f"pair {i // 2 + 1}/{args.pairs} {arm}: {r['tokens_per_s']:,.0f} tokens/s "
+                      f"(epoch {r['epoch_tokens_per_s'] or float('nan'):,.0f}), {r['wall_s']:.0f} s", flush=True)
+    finally:
+        if burner is not None:
+            stop.set()
+            burner.join(5)
+
+    def ratios(key: str) -> list[float]:
+        a, b = ([r for r in runs if r["kind"] == arm] for arm in ("a", "b"))
+        return [y[key] / x[key] for x, y in zip(a, b, strict=True) if x[key] and y[key]]
+
+    tps, epoch = ratios("tokens_per_s"), ratios("epoch_tokens_per_s")
+    result = {"name": args.name, "a": args.a, "b": args.b, "overrides": args.overrides, "pairs": args.pairs,
+              "first": args.first, "load": bool(args.load), "runs": runs,
+              "b_over_a_tokens_per_s_pairs": tps, "b_over_a_tokens_per_s": statistics.median(tps) if tps else None,
+              "b_over_a_epoch_tokens_per_s_pairs": epoch,
+              "b_over_a_epoch_tokens_per_s": statistics.median(epoch) if epoch else None,
+              "how": (f"adaptiveload-train subprocesses in ABBA order from arm {args.first}, one calibration cache; "
+                      "BalanceMonitor run means and epoch estimates; ratios: B over A, median over pairs")}
+    append_record(args.out, "bench_ab.py", result, run)
+    print(f"{args.name}: B / A tokens/s per pair {', '.join(f'{x:.3f}' for x in tps)} (median "
+          f"{result['b_over_a_tokens_per_s']:.3f}); epoch {', '.join(f'{x:.3f}' for x in epoch)}; wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,37 @@
+"""The A/B benchmark's run order (ABBA from either arm), its overrides per arm and its pairing of the runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from benchmark_scripts import load_benchmark
+
+bench = load_benchmark("bench_ab")
+
+
+def test_abba_order_from_either_arm():
+    assert bench.order(3, "a") == ["a", "b", "b", "a", "a", "b"]
+    assert bench.order(2, "b") == ["b", "a", "a", "b"]
+
+
+def test_each_run_gets_the_common_and_its_arms_overrides_and_pairs_are_the_ith_runs(tmp_path, monkeypatch):
+    seen: list[tuple[str, list[str]]] = []
+    tokens = {"a": [100.0, 200.0], "b": [110.0, 150.0]}
+
+    def run_train(kind, overrides, work, cache, timeout):
+        value = tokens[kind][sum(k == kind for k, _ in seen)]
+        seen.append((kind, overrides))
+        return {"kind": kind, "tokens_per_s": value, "epoch_tokens_per_s": value / 2, "wall_s": 1.0}
+
+    monkeypatch.setattr(bench, "run_train", run_train)
+    out = tmp_path / "ab.json"
+    bench.main(["--name", "x", "--a", "m=1", "--b", "m=2", "n=3", "--pairs", "2", "--out", str(out),
+                "--work", str(tmp_path / "w"), "--", "common=1"])
+    assert [k for k, _ in seen] == ["a", "b", "b", "a"]
+    assert all(o == (["common=1", "m=1"] if k == "a" else ["common=1", "m=2", "n=3"]) for k, o in seen)
+    result = json.loads(out.read_text())[-1]["result"]
+    assert result["b_over_a_tokens_per_s_pairs"] == pytest.approx([1.1, 0.75])
+    assert result["b_over_a_tokens_per_s"] == pytest.approx(0.925)
+    assert result["b_over_a_epoch_tokens_per_s_pairs"] == pytest.approx([1.1, 0.75])
+    assert result["a"] == ["m=1"] and result["b"] == ["m=2", "n=3"] and result["overrides"] == ["common=1"]
