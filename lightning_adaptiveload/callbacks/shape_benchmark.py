@@ -20,6 +20,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_adaptiveload.bucketing.buckets import count_buckets
 from lightning_adaptiveload.calibration import derive, feedback, record
 from lightning_adaptiveload.calibration.calibrate import (
     ProfileSettings,
@@ -48,6 +49,11 @@ from lightning_adaptiveload.models.attention import choose_attention
 from lightning_adaptiveload.reporting import print_calibration, save_calibration
 
 _NAME = CALLBACK_NAME
+
+
+def _monitor(trainer: Trainer) -> BalanceMonitor | None:
+    """The Trainer's BalanceMonitor (the closed loop's step times), if it has one."""
+    return next((cb for cb in trainer.callbacks if isinstance(cb, BalanceMonitor)), None)
 
 #: How profiling chooses shapes and what its memory model holds; part of the calibration key, so a
 #: calibration from an earlier profiler is profiled again rather than reused. 3: activation
@@ -300,7 +306,7 @@ class ShapeBenchmarkCallback(Callback):
     def _start_check(self, trainer: Trainer, step: int) -> None:
         """Take training's step times (one broadcast) and hand the refit and comparison to the background
         thread; :meth:`_finish_check` applies the decision at the next step."""
-        monitor = next((cb for cb in trainer.callbacks if isinstance(cb, BalanceMonitor)), None)
+        monitor = _monitor(trainer)
         why = None
         if monitor is None:
             why = "it needs a BalanceMonitor in the Trainer's callbacks (it measures the steps)"
@@ -316,9 +322,9 @@ class ShapeBenchmarkCallback(Callback):
                                                          monitor.overhead_s()))
         if not observed:
             return
-        grids, counts = corpus(trainer)
-        args = (self.calibration, self.derivation, [feedback.Observation(*o) for o in observed], overhead, grids,
-                counts, trainer.world_size, sampler_settings(trainer), samples_of(trainer))
+        # The corpus's grids are read once here; the thread counts them (the training thread only reads).
+        args = (self.calibration, self.derivation, [feedback.Observation(*o) for o in observed], overhead,
+                trainer.world_size, sampler_settings(trainer), samples_of(trainer))
         if self._pool is None:
             # One worker: checks are computed in order. A thread, not a process: the work is numpy and short,
             # and a thread shares the calibration without pickling it; the training thread mostly waits on
@@ -328,12 +334,13 @@ class ShapeBenchmarkCallback(Callback):
 
     @staticmethod
     def _decide(settings: ProfileSettings, calibration: record.Calibration, derivation: derive.Derivation,
-                observed: list[feedback.Observation], overhead: float | None, grids: Any, counts: Any,
-                world_size: int, sampler: dict[str, Any], samples: Any
+                observed: list[feedback.Observation], overhead: float | None, world_size: int,
+                sampler: dict[str, Any], samples: tuple[Any, Any]
                 ) -> tuple[record.Calibration, feedback.Decision, float]:
         """The closed loop's computation (background thread): refit, then compare the corrected policy with
         the running one. A pure function of its arguments, so every rank reaches the same decision."""
         start = time.perf_counter()
+        grids, counts = count_buckets(samples[0])
         corrected = feedback.refit(calibration, observed, overhead_s=overhead)
         decision = feedback.compare(calibration, derivation, corrected, grids, counts, settings,
                                     world_size=world_size, **sampler, samples=samples)
@@ -359,7 +366,7 @@ class ShapeBenchmarkCallback(Callback):
             at = dm.replan(decision.derivation.policy, model)
             self.calibration, self.derivation = corrected, decision.derivation
             self.source = f"corrected from {corrected.extra['provenance']['training_steps']} training steps"
-        monitor = next((cb for cb in trainer.callbacks if isinstance(cb, BalanceMonitor)), None)
+        monitor = _monitor(trainer)
         if monitor is not None:
             monitor.set_cost_model(model)
         self.decisions.append((checked, decision, at))
