@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import statistics
 import sys
 import tempfile
@@ -30,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import RESULTS, append_record, run_info  # noqa: E402
-from bench_quickstart import _burn, run_train  # noqa: E402
+from bench_quickstart import cpu_load, run_train  # noqa: E402
 
 
 def order(pairs: int, first: str) -> list[str]:
@@ -55,26 +54,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.pairs < 1:
         p.error(f"--pairs {args.pairs}: expected a positive integer")
     run = run_info()
-    stop = multiprocessing.Event()
-    burner = multiprocessing.Process(target=_burn, args=(stop,), daemon=True) if args.load else None
-    if burner is not None:
-        burner.start()
     runs: list[dict[str, Any]] = []
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            work = args.work or Path(tmp)
-            arms = order(args.pairs, args.first)
-            for i, arm in enumerate(arms):
-                runs.append(run_train(arm, [*args.overrides, *getattr(args, arm)], work, work / "cache", args.timeout))
-                r = runs[-1]
-                # A run cut off by a time limit still leaves the runs before it.
-                args.out.with_suffix(".partial.json").write_text(json.dumps(runs, indent=1))
-                print(f"pair {i // 2 + 1}/{args.pairs} {arm}: {r['tokens_per_s']:,.0f} tokens/s "
-                      f"(epoch {r['epoch_tokens_per_s'] or float('nan'):,.0f}), {r['wall_s']:.0f} s", flush=True)
-    finally:
-        if burner is not None:
-            stop.set()
-            burner.join(5)
+    with cpu_load(args.load), tempfile.TemporaryDirectory() as tmp:
+        work = args.work or Path(tmp)
+        for i, arm in enumerate(order(args.pairs, args.first)):
+            runs.append(run_train(arm, [*args.overrides, *getattr(args, arm)], work, work / "cache", args.timeout))
+            r = runs[-1]
+            # A run cut off by a time limit still leaves the runs before it.
+            args.out.with_suffix(".partial.json").write_text(json.dumps(runs, indent=1))
+            print(f"pair {i // 2 + 1}/{args.pairs} {arm}: {r['tokens_per_s']:,.0f} tokens/s "
+                  f"(epoch {r['epoch_tokens_per_s'] or float('nan'):,.0f}), {r['wall_s']:.0f} s", flush=True)
 
     def ratios(key: str) -> list[float]:
         a, b = ([r for r in runs if r["kind"] == arm] for arm in ("a", "b"))

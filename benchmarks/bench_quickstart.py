@@ -15,6 +15,7 @@ under ``--cache``), later ones read the cache, as a user's second run does.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,22 @@ def _burn(stop: Any) -> None:
     x = 0
     while not stop.is_set():
         x = (x * 31 + 7) % 1_000_003
+
+
+@contextlib.contextmanager
+def cpu_load(enabled: bool) -> Iterator[None]:
+    """A CPU-bound process beside the block's runs (a second job on the machine) when ``enabled``."""
+    if not enabled:
+        yield
+        return
+    stop = multiprocessing.Event()
+    burner = multiprocessing.Process(target=_burn, args=(stop,), daemon=True)
+    burner.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        burner.join(5)
 
 
 def run_train(kind: str, extra: list[str], work: Path, cache: Path, timeout: int) -> dict[str, Any]:
@@ -101,24 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.pairs < 1:
         p.error(f"--pairs {args.pairs}: expected a positive integer")
     run = run_info()
-    stop = multiprocessing.Event()
-    burner = multiprocessing.Process(target=_burn, args=(stop,), daemon=True) if args.load else None
-    if burner is not None:
-        burner.start()
     runs: list[dict[str, Any]] = []
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            work, cache = Path(tmp), Path(tmp) / "cache"
-            for i in range(args.pairs):
-                for kind in ("quickstart", "baseline") if i % 2 == 0 else ("baseline", "quickstart"):
-                    runs.append(run_train(kind, args.extra, work, cache, args.timeout))
-                    r = runs[-1]
-                    print(f"pair {i + 1}/{args.pairs} {kind}: {r['tokens_per_s']:,.0f} tokens/s "
-                          f"(epoch {r['epoch_tokens_per_s'] or float('nan'):,.0f}), {r['wall_s']:.0f} s", flush=True)
-    finally:
-        if burner is not None:
-            stop.set()
-            burner.join(5)
+    with cpu_load(args.load), tempfile.TemporaryDirectory() as tmp:
+        work, cache = Path(tmp), Path(tmp) / "cache"
+        for i in range(args.pairs):
+            for kind in ("quickstart", "baseline") if i % 2 == 0 else ("baseline", "quickstart"):
+                runs.append(run_train(kind, args.extra, work, cache, args.timeout))
+                r = runs[-1]
+                print(f"pair {i + 1}/{args.pairs} {kind}: {r['tokens_per_s']:,.0f} tokens/s "
+                      f"(epoch {r['epoch_tokens_per_s'] or float('nan'):,.0f}), {r['wall_s']:.0f} s", flush=True)
 
     def med(kind: str, key: str) -> float | None:
         values = [r[key] for r in runs if r["kind"] == kind and r.get(key) is not None]
