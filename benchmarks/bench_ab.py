@@ -14,6 +14,10 @@ per run.
         -- bucketing=fixed bucketing.balance=cost callbacks.shape_benchmark.closed_loop=false      # 2-core CPU
     python benchmarks/bench_ab.py --name wan480p_residual --pairs 1 --a ++model.model.residual_fp32=true \\
         --b ++model.model.residual_fp32=false -- experiment=wan2_1_1_3b_480p trainer.devices=1 trainer.max_steps=40
+``--c`` adds a third arm and ``--order`` gives the arms' sequence itself (``--order b c a``: one run of each, in
+that order; two calls with mirrored orders make one ABBA series of every pair of arms where one call cannot hold
+more); the record then has the ratios of every pair of arms (``ratios``, e.g. ``"b/c"``), run by run in order.
+
 Appends one record to ``benchmarks/results/ab.json`` (``--out``).
 """
 
@@ -38,11 +42,20 @@ def order(pairs: int, first: str) -> list[str]:
     return [arm for i in range(pairs) for arm in ((first, other) if i % 2 == 0 else (other, first))]
 
 
+def pair_ratios(runs: list[dict[str, Any]], num: str, den: str, key: str = "tokens_per_s") -> list[float]:
+    """``key`` of arm ``num``'s runs over arm ``den``'s, the k-th run of one with the k-th of the other."""
+    a, b = ([r for r in runs if r["kind"] == arm] for arm in (den, num))
+    return [y[key] / x[key] for x, y in zip(a, b, strict=False) if x[key] and y[key]]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--name", required=True, help="what is compared, stored with the record")
     p.add_argument("--a", nargs="+", required=True, help="arm A's overrides")
     p.add_argument("--b", nargs="+", required=True, help="arm B's overrides")
+    p.add_argument("--c", nargs="+", default=None, help="a third arm's overrides (optional)")
+    p.add_argument("--order", nargs="+", choices=("a", "b", "c"), default=None,
+                   help="the arms' runs in this order (default: --pairs ABBA pairs of A and B from --first)")
     p.add_argument("--pairs", type=int, default=4)
     p.add_argument("--first", choices=("a", "b"), default="a", help="the arm each series starts with")
     p.add_argument("--load", action="store_true", help="run a CPU-bound process beside the runs")
@@ -53,11 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.pairs < 1:
         p.error(f"--pairs {args.pairs}: expected a positive integer")
+    if args.order and "c" in args.order and args.c is None:
+        p.error("--order names arm c: give its overrides with --c")
+    sequence = args.order or order(args.pairs, args.first)
     run = run_info()
     runs: list[dict[str, Any]] = []
     with cpu_load(args.load), tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
-        for i, arm in enumerate(order(args.pairs, args.first)):
+        for i, arm in enumerate(sequence):
             runs.append(run_train(arm, [*args.overrides, *getattr(args, arm)], work, work / "cache", args.timeout))
             r = runs[-1]
             # A run cut off by a time limit still leaves the runs before it.
@@ -70,8 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         return [y[key] / x[key] for x, y in zip(a, b, strict=True) if x[key] and y[key]]
 
     tps, epoch = ratios("tokens_per_s"), ratios("epoch_tokens_per_s")
-    result = {"name": args.name, "a": args.a, "b": args.b, "overrides": args.overrides, "pairs": args.pairs,
-              "first": args.first, "load": bool(args.load), "runs": runs,
+    arms = [arm for arm in ("a", "b", "c") if any(r["kind"] == arm for r in runs)]
+    result = {"name": args.name, "a": args.a, "b": args.b, "c": args.c, "order": sequence, "overrides": args.overrides,
+              "pairs": args.pairs, "first": args.first, "load": bool(args.load), "runs": runs,
+              "ratios": {f"{y}/{x}": pair_ratios(runs, y, x) for y, x in (("b", "a"), ("c", "a"), ("b", "c"))
+                         if x in arms and y in arms},
               "b_over_a_tokens_per_s_pairs": tps, "b_over_a_tokens_per_s": statistics.median(tps) if tps else None,
               "b_over_a_epoch_tokens_per_s_pairs": epoch,
               "b_over_a_epoch_tokens_per_s": statistics.median(epoch) if epoch else None,

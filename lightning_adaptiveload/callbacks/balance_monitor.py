@@ -27,6 +27,16 @@ each processing 1/k of its tokens: each of them counts 1/k of the batch's tokens
 (so tokens/s and MFU count every token once) and the planner's SP step cost
 (:func:`~lightning_adaptiveload.bucketing.sequence_parallel.sp_cost_function`) as its compute.
 
+On CUDA the monitor times steps with CUDA events by default (``timing="events"``): it records an event at
+each hook on the current stream, never synchronises inside training and reads a step's events (and its
+row, all-gathered over a CPU ``gloo`` group on several ranks) at the end of the *next* step, when they
+have completed, or where training stops anyway (the end of an epoch, validation, the end of fit). The
+host then keeps preparing the next step (the loader's hand-over, the hooks, the launches) while the device
+still runs the last one, which a synchronisation at each step would leave the device idle for. Step times
+are device times and the data wait of a step is the device's idle time between the end of the previous
+step and its start. Metrics are logged a step late. ``timing="synchronize"`` (the default off CUDA)
+synchronises around each step and reads the host clock, the rows gathered at once.
+
 This module is the callback: the per-step timing, the one gather and the run totals. What it reads from the
 device is in :mod:`~lightning_adaptiveload.callbacks._device_probes`; the per-shape table, the epoch
 estimate and the printed report are in :mod:`~lightning_adaptiveload.callbacks._balance_report`.
@@ -37,11 +47,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from typing_extensions import override
@@ -69,6 +81,28 @@ _SHAPE_SAMPLES = 256
 #: step's largest: the cost-balanced sampler groups each step's batches to within a few percent, so the
 #: ranks of a balanced step all count, and a rank far below the others (a remainder batch) does not.
 _BOUNDING = 0.9
+TIMINGS = ("auto", "events", "synchronize")
+
+
+@dataclass
+class _Step:
+    """One training batch's measurements before its times are read: ``marks`` are host clock readings
+    (seconds) or CUDA events at the batch's start (``start``), before backward (``fwd``), before the optimizer
+    step (``opt``) and at its end (``end``); ``row`` holds the fields of :data:`_FIELDS` known at its end
+    (its times are filled in when it is finished); ``finite``: the loss's finiteness on the device (a device
+    tensor, or a pinned host copy that the ``end`` mark follows), ``None`` to keep ``row``'s 1.0."""
+
+    marks: dict[str, Any]
+    row: list[float]
+    batch_idx: int
+    global_step: int
+    shape: tuple[int, int]
+    flops: float
+    device_allocs: float
+    host_wait: float
+    prev_end: Any = None  # the previous step's end mark (events: the device's gap before this step)
+    finite: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def batch_shape_of(pl_module: Any, batch: Any) -> tuple[int, int]:
@@ -120,8 +154,11 @@ class BalanceMonitor(Callback):
         cost_model: ``predict(B, S)`` for the predicted compute of a batch; ``None``: the
             DataModule's ``cost_model`` if it has one, else ``B * S**p``.
         p: exponent of S for the compute estimate without a cost model.
-        synchronize: call ``torch.cuda.synchronize()`` before reading the clock on CUDA, so times
-            cover the kernels and not only their launch.
+        synchronize: with ``timing="synchronize"``, call ``torch.cuda.synchronize()`` before reading the
+            clock on CUDA, so times cover the kernels and not only their launch.
+        timing: ``"events"``: CUDA events, no synchronisation inside training, each step's row read at the end
+            of the next step (see the module docstring); ``"synchronize"``: the host clock around
+            synchronisations, each row read at once; ``"auto"``: events on CUDA, else ``"synchronize"``.
         print_report: print the end-of-fit report on rank 0.
         warmup_steps: steps at the start of fit left out of :meth:`summary` and the report (compile,
             allocator and cuDNN warm-up).
@@ -132,8 +169,8 @@ class BalanceMonitor(Callback):
             run means never depend on it.
 
     Raises:
-        ValueError: a non-positive ``log_every_n_steps``, ``p`` or ``peak_tflops``, or a negative
-            ``warmup_steps`` or ``history_steps``.
+        ValueError: a non-positive ``log_every_n_steps``, ``p`` or ``peak_tflops``, a negative
+            ``warmup_steps`` or ``history_steps``, or an unknown ``timing``.
 
     Example::
 
@@ -154,6 +191,7 @@ class BalanceMonitor(Callback):
         warmup_steps: int = 0,
         peak_tflops: float | None = None,
         history_steps: int = 10_000,
+        timing: str = "auto",
     ) -> None:
         if not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
             raise ValueError(
@@ -165,6 +203,8 @@ class BalanceMonitor(Callback):
             raise ValueError(f"`BalanceMonitor(warmup_steps={warmup_steps!r})` is not valid. Expected an integer >= 0.")
         if isinstance(history_steps, bool) or not isinstance(history_steps, int) or history_steps < 0:
             raise ValueError(f"`BalanceMonitor(history_steps={history_steps!r})` is not valid. Expected an integer >= 0.")
+        if timing not in TIMINGS:
+            raise ValueError(f"`BalanceMonitor(timing={timing!r})` is not valid. Expected one of {', '.join(TIMINGS)}.")
         if peak_tflops is not None and not peak_tflops > 0:
             raise ValueError(f"`BalanceMonitor(peak_tflops={peak_tflops!r})` is not valid. Expected TFLOP/s > 0.")
         self.log_every_n_steps = log_every_n_steps
@@ -180,6 +220,13 @@ class BalanceMonitor(Callback):
         self.history: deque[np.ndarray] = deque(maxlen=history_steps)
         self.p = float(p)
         self.synchronize = synchronize
+        self.timing = timing
+        self._events = False  # resolved from `timing` and the device at the start of fit
+        self._cpu_group: Any = None  # events on several ranks: the CPU group the rows are gathered over
+        self._pending: _Step | None = None  # events: the last step, read at the end of the next one
+        self._prev_end: Any = None  # events: the last step's end mark (None after a pause or at an epoch start)
+        self._finite_bufs: list[torch.Tensor] = []
+        self._buf_turn = 0
         self.print_report = print_report
         self.last_metrics: dict[str, float] = {}
         self._t0: float | None = None
@@ -226,9 +273,46 @@ class BalanceMonitor(Callback):
             torch.cuda.synchronize(device)
         return time.perf_counter()
 
+    def _mark(self, device: torch.device) -> Any:
+        """A point in time of the step: a CUDA event on the current stream (events on CUDA), else the host
+        clock (synchronised first in ``"synchronize"`` timing)."""
+        if self._events and device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(device))
+            return event
+        return time.perf_counter() if self._events else self._now(device)
+
+    @staticmethod
+    def _elapsed(a: Any, b: Any) -> float:
+        """Seconds from mark ``a`` to mark ``b`` (both completed)."""
+        if isinstance(a, float):
+            return b - a
+        return a.elapsed_time(b) / 1000.0
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        device = trainer.strategy.root_device
+        self._events = self.timing == "events" or (self.timing == "auto" and device.type == "cuda")
+        self._cpu_group = None
+        if not (self._events and trainer.world_size > 1 and dist.is_available() and dist.is_initialized()):
+            return
+        # The rows of a step are gathered while the device runs the next one: over the device's collectives
+        # they would queue behind that step (and reading them would wait for it), so over a CPU group.
+        if dist.get_backend() == "gloo":
+            self._cpu_group = dist.group.WORLD
+            return
+        try:
+            self._cpu_group = dist.new_group(backend="gloo")
+        except Exception as err:  # noqa: BLE001 - every rank fails alike; fall back to the synchronised timing
+            self._events = False
+            rank_zero_warn(f"`BalanceMonitor`: a CPU (gloo) process group for the per-step rows could not be made "
+                           f"({type(err).__name__}: {err}); timing with synchronisations instead "
+                           "(`BalanceMonitor(timing='synchronize')`), which leaves the device idle between steps.")
+
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset_totals(trainer.world_size)
+        self._pending = self._prev_end = None
         self._t0 = self._t_fwd = None
         self._seen = 0
         self.epoch = None
@@ -251,10 +335,20 @@ class BalanceMonitor(Callback):
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._t_end, self._paused = None, 0.0
+        self._t_end, self._paused, self._prev_end = None, 0.0, None
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._flush(trainer, pl_module)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._flush(trainer, pl_module)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._flush(trainer, pl_module)
+        self._prev_end = None  # the next step's wait is the host's, less the validation
         self._t_val = time.perf_counter()
 
     @override
@@ -269,19 +363,20 @@ class BalanceMonitor(Callback):
         reset_peak_memory(pl_module.device)
         self._allocator0 = _allocator_counts(pl_module.device)
         self._t_fwd = self._t_opt = None
-        self._t0 = self._now(pl_module.device)
-        self._wait = 0.0 if self._t_end is None else max(0.0, self._t0 - self._t_end - self._paused)
+        self._t0 = self._mark(pl_module.device)
+        host = self._t0 if isinstance(self._t0, float) else time.perf_counter()
+        self._wait = 0.0 if self._t_end is None else max(0.0, host - self._t_end - self._paused)
         self._paused = 0.0
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         if self._t0 is not None and self._t_fwd is None:
-            self._t_fwd = self._now(pl_module.device)
+            self._t_fwd = self._mark(pl_module.device)
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self._t0 is not None and self._t_opt is None:
-            self._t_opt = self._now(pl_module.device)
+            self._t_opt = self._mark(pl_module.device)
 
     def _predicted_compute(self, b: int, s: int, degree: int = 1) -> float:
         """Predicted time of this rank's share of a ``(B, S)`` batch held by ``degree`` ranks."""
@@ -298,38 +393,93 @@ class BalanceMonitor(Callback):
                            batch_idx: int) -> None:
         if self._t0 is None:
             return
-        end = self._now(pl_module.device)
-        step_time = end - self._t0
-        forward_time = (self._t_fwd if self._t_fwd is not None else end) - self._t0
-        self._t0 = None
+        device = pl_module.device
         b, s = batch_shape_of(pl_module, batch)
         # Each of the k ranks of a sequence-parallel batch processes 1/k of it.
         degree = int(batch.get("sp_degree", 1)) if isinstance(batch, dict) else 1
-        peak = peak_memory(pl_module.device)
+        peak = peak_memory(device)
         flops_fn = getattr(pl_module, "flops_per_sample", None)
         flops = float(b) * float(flops_fn(s)) / degree if callable(flops_fn) else 0.0
         retries, device_allocs = (float(now - then) for now, then in
-                                  zip(_allocator_counts(pl_module.device), self._allocator0, strict=True))
+                                  zip(_allocator_counts(device), self._allocator0, strict=True))
         clock = power = float("nan")
         if not self._clock_error:
             try:
-                clock, power = _clock_and_power(pl_module.device)
+                clock, power = _clock_and_power(device)
             except Exception:  # noqa: BLE001 - a failed NVML read loses one sample, never the step
                 pass
-        local = torch.tensor([step_time, forward_time, self._predicted_compute(b, s, degree), float(b * s) / degree,
-                              float(peak), flops, self._wait, retries, device_allocs, clock, power, 1.0,
-                              float(b) if degree == 1 else 0.0, float(s),
-                              (end - self._t_opt if self._t_opt is not None else 0.0) + self._wait],
-                             dtype=torch.float64, device=pl_module.device)
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-        if isinstance(loss, torch.Tensor):
-            local[11] = torch.isfinite(loss.detach()).all()  # on the device: no extra synchronisation
-        gathered = trainer.strategy.all_gather(local)
-        rows = gathered.reshape(-1, len(_FIELDS)).cpu().numpy()
+        finite = torch.isfinite(loss.detach()).all() if isinstance(loss, torch.Tensor) else None
+        if finite is not None and self._events and device.type == "cuda":
+            # A pinned host copy, read once the step's end mark (recorded after it) has completed: no wait.
+            # Two buffers in turn: the pending step's is read before the next step's copy can reach it.
+            self._buf_turn ^= 1
+            buf = self._finite_buffer(self._buf_turn)
+            buf.copy_(finite, non_blocking=True)
+            finite = buf
+        marks = {"start": self._t0, "fwd": self._t_fwd, "opt": self._t_opt, "end": self._mark(device)}
+        self._t0 = None
+        # Times (step, forward, wait, overhead) are filled in by `_finish`.
+        row = [0.0, 0.0, self._predicted_compute(b, s, degree), float(b * s) / degree, float(peak), flops, 0.0,
+               retries, device_allocs, clock, power, 1.0, float(b) if degree == 1 else 0.0, float(s), 0.0]
+        step = _Step(marks=marks, row=row, batch_idx=batch_idx, global_step=trainer.global_step, shape=(b, s),
+                     flops=flops, device_allocs=device_allocs, host_wait=self._wait, finite=finite,
+                     prev_end=self._prev_end if self._events else None)
+        if self._events:
+            self._prev_end = marks["end"]
+            previous, self._pending = self._pending, step
+            if previous is not None:
+                self._finish(previous, trainer, pl_module, log=True)
+        else:
+            self._finish(step, trainer, pl_module, log=True)
+        # The gap to the next batch starts here: this callback's own gather is not data wait.
+        self._t_end = time.perf_counter()
+
+    def _finite_buffer(self, i: int) -> torch.Tensor:
+        while len(self._finite_bufs) <= i:
+            self._finite_bufs.append(torch.ones((), dtype=torch.bool, pin_memory=True))
+        return self._finite_bufs[i]
+
+    def _flush(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Finish the step still pending (events timing), on every rank at the same point of training."""
+        previous, self._pending = self._pending, None
+        if previous is not None:
+            self._finish(previous, trainer, pl_module, log=False)
+
+    def _gather(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: _Step) -> np.ndarray:
+        """Every rank's row of ``step``, ``[ranks, fields]``: one all-gather (none on one rank with events)."""
+        if not self._events:
+            local = torch.tensor(step.row, dtype=torch.float64, device=pl_module.device)
+            if step.finite is not None:
+                local[11] = step.finite  # on the device: no extra synchronisation
+            gathered = trainer.strategy.all_gather(local)
+            return gathered.reshape(-1, len(_FIELDS)).cpu().numpy()
+        if step.finite is not None:
+            step.row[11] = float(bool(step.finite))
+        local = torch.tensor(step.row, dtype=torch.float64)
+        if self._cpu_group is None or trainer.world_size == 1:
+            return local.reshape(1, -1).numpy()
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self._cpu_group))]
+        dist.all_gather(parts, local, group=self._cpu_group)
+        return torch.stack(parts).numpy()
+
+    def _finish(self, step: _Step, trainer: pl.Trainer, pl_module: pl.LightningModule, log: bool) -> None:
+        """Read ``step``'s times (waiting for its end mark only), gather every rank's row and count it."""
+        marks = step.marks
+        end = marks["end"]
+        if not isinstance(end, float):
+            end.synchronize()
+        step_time = self._elapsed(marks["start"], end)
+        forward_time = self._elapsed(marks["start"], marks["fwd"] if marks["fwd"] is not None else end)
+        after_opt = self._elapsed(marks["opt"], end) if marks["opt"] is not None else 0.0
+        wait = step.host_wait if step.prev_end is None else max(0.0, self._elapsed(step.prev_end, marks["start"]))
+        step.row[0], step.row[1], step.row[6], step.row[14] = step_time, forward_time, wait, after_opt + wait
+        rows = self._gather(trainer, pl_module, step)
+        b, s = step.shape
         if rows[:, 7].max() > 0 and not self._warned_retries:
             self._warned_retries = True
             rank_zero_warn(
-                f"`BalanceMonitor`: at step {trainer.global_step} CUDA's caching allocator freed its cache and retried "
+                f"`BalanceMonitor`: at step {step.global_step} CUDA's caching allocator freed its cache and retried "
                 f"an allocation {int(rows[:, 7].max())} time(s) on a rank; each retry synchronises the device and slows "
                 f"the step. Memory is near capacity for a B={b} S={s:,} batch: raise "
                 "`ShapeBenchmarkCallback(memory_margin=...)`, or set PYTORCH_ALLOC_CONF=expandable_segments:True "
@@ -343,7 +493,7 @@ class BalanceMonitor(Callback):
                 self._warned_nonfinite = True
                 ranks = ", ".join(str(r) for r in np.flatnonzero(rows[:, 11] == 0))
                 rank_zero_warn(
-                    f"`BalanceMonitor`: the loss of step {trainer.global_step} is not finite (rank {ranks}). Steps "
+                    f"`BalanceMonitor`: the loss of step {step.global_step} is not finite (rank {ranks}). Steps "
                     "with a non-finite loss are left out of the speed metrics: arithmetic on NaNs draws less power "
                     "and runs faster than training. Lower the learning rate, add warm-up steps or check the data; with "
                     "compiled blocks, keep inductor's mix-order reduction off (their default; pytorch/pytorch#193061)."
@@ -353,14 +503,14 @@ class BalanceMonitor(Callback):
         if counted:
             key = (int(b), int(s))
             sums = self._shape_sums.get(key, np.zeros(6))
-            sums[:5] += (1.0, step_time, float(local[2]), flops, device_allocs)
+            sums[:5] += (1.0, step_time, float(step.row[2]), step.flops, step.device_allocs)
             sums[5] = max(sums[5], step_time)
             self._shape_sums[key] = sums
             self._observe(rows)
-        if (batch_idx + 1) % self.log_every_n_steps == 0:
-            pl_module.log_dict(self.last_metrics, on_step=True, on_epoch=False, rank_zero_only=True)
-        # The gap to the next batch starts here: this callback's own gather is not data wait.
-        self._t_end = time.perf_counter()
+        if log and (step.batch_idx + 1) % self.log_every_n_steps == 0:
+            # CPU tensors: Lightning would copy floats to the device, which waits for the device.
+            pl_module.log_dict({k: torch.tensor(v) for k, v in self.last_metrics.items()}, on_step=True,
+                               on_epoch=False, rank_zero_only=True)
 
     def _observe(self, rows: np.ndarray) -> None:
         """Per data-parallel batch shape of the step, the slowest rank's step plus the wait before it.

@@ -241,6 +241,9 @@ class RectifiedFlowModule(pl.LightningModule):
         self._named = 0  # skipped samples and dropped steps named in warnings so far
         # (detached loss, batch["index"], (B, S)) of each micro-batch of the optimizer step under way.
         self._step_losses: list[tuple[torch.Tensor, Any, tuple[int, int]]] = []
+        # On CUDA: losses on their way to pinned host memory (with the event after each copy), the newest arrived.
+        self._loss_copies: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+        self._shown_loss: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ subclass
     @property
@@ -781,8 +784,9 @@ class RectifiedFlowModule(pl.LightningModule):
             )
         if self._last_step_start is not None:
             elapsed = start - self._last_step_start
-            self.log("train/tokens_per_s", self._last_step_tokens / elapsed, batch_size=samples)
-            self.log("train/samples_per_s", self._last_step_samples / elapsed, batch_size=samples)
+            # Host values as CPU tensors: Lightning would copy a float to the device, which waits for the device.
+            self.log("train/tokens_per_s", torch.tensor(self._last_step_tokens / elapsed), batch_size=samples)
+            self.log("train/samples_per_s", torch.tensor(self._last_step_samples / elapsed), batch_size=samples)
         self._last_step_start = start
         # A rank of a sequence-parallel group processes 1/k of the batch's tokens.
         self._last_step_samples = samples / degree
@@ -793,7 +797,15 @@ class RectifiedFlowModule(pl.LightningModule):
         rank = None if group is None else group.first_rank
         generator = self.noise_generator(self._get(batch, "latents").device, rank=rank, micro_batch=index)
         loss = self.compute_loss(batch, generator=generator)
-        self.log("train/loss", loss, prog_bar=True, batch_size=samples)
+        if loss.device.type == "cuda":
+            # The progress bar reads its values every step (a device tensor there waits for the device): it
+            # shows the newest loss already copied to the host instead, and loggers read train/loss itself.
+            self.log("train/loss", loss, batch_size=samples)
+            shown = self._arrived_loss(loss)
+            if shown is not None:
+                self.log("loss", shown, prog_bar=True, logger=False, batch_size=samples)
+        else:
+            self.log("train/loss", loss, prog_bar=True, batch_size=samples)
         if index == 0:
             self._step_losses = []
         self._step_losses.append((loss.detach(), batch.get("index"), (samples, seq_len)))
@@ -805,6 +817,22 @@ class RectifiedFlowModule(pl.LightningModule):
         # The gradients of a group's k ranks sum to the gradient of `loss`; the data-parallel average
         # divides by all W ranks, so k × gives the batch the weight k/W of k ranks.
         return loss * degree if degree > 1 else loss
+
+    def _arrived_loss(self, loss: torch.Tensor) -> torch.Tensor | None:
+        """Queue a copy of ``loss`` to pinned host memory; return (a CPU tensor of) the newest queued loss whose
+        copy has completed, without waiting for the device (``None`` before the first has)."""
+        pending = self._loss_copies
+        host = torch.empty((), dtype=torch.float32, pin_memory=True)
+        host.copy_(loss.detach().float(), non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        pending.append((host, done))
+        arrived = None
+        while pending and pending[0][1].query():
+            arrived = pending.pop(0)[0]
+        if arrived is not None:
+            self._shown_loss = arrived.clone()
+        return self._shown_loss
 
     # ------------------------------------------------------------------ bad samples and non-finite losses
     def _warn_named(self, message: str) -> None:

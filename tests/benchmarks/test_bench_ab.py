@@ -35,3 +35,26 @@ def test_each_run_gets_the_common_and_its_arms_overrides_and_pairs_are_the_ith_r
     assert result["b_over_a_tokens_per_s"] == pytest.approx(0.925)
     assert result["b_over_a_epoch_tokens_per_s_pairs"] == pytest.approx([1.1, 0.75])
     assert result["a"] == ["m=1"] and result["b"] == ["m=2", "n=3"] and result["overrides"] == ["common=1"]
+
+
+def test_a_third_arm_in_a_given_order_and_the_ratios_of_every_pair_of_arms(tmp_path, monkeypatch):
+    seen: list[str] = []
+    tokens = {"a": 100.0, "b": 120.0, "c": 110.0}
+
+    def run_train(kind, overrides, work, cache, timeout):
+        seen.append(kind)
+        return {"kind": kind, "tokens_per_s": tokens[kind], "epoch_tokens_per_s": tokens[kind], "wall_s": 1.0,
+                "overrides": overrides}
+
+    monkeypatch.setattr(bench, "run_train", run_train)
+    out = tmp_path / "ab.json"
+    bench.main(["--name", "x", "--a", "m=1", "--b", "m=2", "--c", "m=3", "--order", "b", "c", "a", "--out", str(out),
+                "--work", str(tmp_path / "w")])
+    assert seen == ["b", "c", "a"]
+    result = json.loads(out.read_text())[-1]["result"]
+    assert result["order"] == ["b", "c", "a"] and result["c"] == ["m=3"]
+    assert [r["overrides"] for r in result["runs"]] == [["m=2"], ["m=3"], ["m=1"]]
+    assert {k: v for k, v in result["ratios"].items()} == {"b/a": [pytest.approx(1.2)], "c/a": [pytest.approx(1.1)],
+                                                          "b/c": [pytest.approx(120 / 110)]}
+    with pytest.raises(SystemExit):
+        bench.main(["--name", "x", "--a", "m=1", "--b", "m=2", "--order", "c", "a", "--out", str(out)])

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_adaptiveload.callbacks import balance_monitor
 from lightning_adaptiveload.callbacks.balance_monitor import BalanceMonitor
@@ -237,12 +237,14 @@ class _SleepyStep(TinyModule):
         return super().training_step(batch, batch_idx)
 
 
+@pytest.mark.parametrize("timing", ["synchronize", "events"])
 @pytest.mark.parametrize("delay, want, tol", [(0.1, 0.5, 0.1), (0.0, 0.0, 0.1)])
-def test_data_wait_measures_a_slow_loader(tmp_path, delay, want, tol):
+def test_data_wait_measures_a_slow_loader(tmp_path, delay, want, tol, timing):
     # Real time: a loader as slow as the step (0.1 s each) waits half of every step's wall time; one
     # with nothing to do waits ~0 (Lightning's own work between batches: 0.5-11 ms measured on a
-    # loaded 2-core machine).
-    monitor = BalanceMonitor(log_every_n_steps=1, warmup_steps=1)
+    # loaded 2-core machine). With events (here host clock readings, read a step late) the wait is the gap
+    # from the previous step's end mark to this one's start.
+    monitor = BalanceMonitor(log_every_n_steps=1, warmup_steps=1, timing=timing)
     trainer = Trainer(default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=8, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                       callbacks=[monitor])
@@ -260,8 +262,9 @@ class _SlowValidation(_SleepyStep):
         time.sleep(0.3)
 
 
-def test_validation_between_batches_is_not_data_wait(tmp_path):
-    monitor = BalanceMonitor(log_every_n_steps=1)
+@pytest.mark.parametrize("timing", ["synchronize", "events"])
+def test_validation_between_batches_is_not_data_wait(tmp_path, timing):
+    monitor = BalanceMonitor(log_every_n_steps=1, timing=timing)
     trainer = Trainer(default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=6, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                       callbacks=[monitor], val_check_interval=2, limit_val_batches=1, num_sanity_val_steps=0)
@@ -505,3 +508,86 @@ def test_a_rank_that_waited_for_the_others_does_not_observe_its_shape():
         monitor._observe(np.stack([row(256, 16, 0.11, 0.10), row(32, 16, 0.11, 0.02)]))
     monitor._observe(np.stack([row(32, 16, 0.03, 0.02), row(30, 16, 0.031, 0.019)]))  # balanced: both count
     assert monitor.observations(min_steps=1) == [(30, 16, 0.031, 1), (32, 16, 0.03, 1), (256, 16, 0.11, 3)]
+
+
+class _Seen(Callback):
+    """After the monitor's hook of each batch: how many steps it has read so far."""
+
+    def __init__(self, monitor: BalanceMonitor) -> None:
+        self.monitor, self.seen = monitor, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.append(self.monitor._seen)
+
+
+@pytest.mark.parametrize("timing, lag", [("synchronize", 0), ("events", 1)])
+def test_events_timing_reads_each_step_at_the_end_of_the_next_and_every_step_by_the_end(tmp_path, timing, lag):
+    # Two epochs of 3 batches: with events a step is read at the end of the next one, and the last step of
+    # each epoch where the epoch ends (before the next epoch's first step), so no step is lost.
+    monitor = BalanceMonitor(log_every_n_steps=1, timing=timing)
+    seen = _Seen(monitor)
+    trainer = Trainer(default_root_dir=tmp_path, accelerator="cpu", devices=1, max_epochs=2, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      callbacks=[monitor, seen])
+    trainer.fit(_SleepyStep(), train_dataloaders=_loader(3))
+    # (events: the epoch's last step is read at its end, before the next epoch's first step is pending)
+    assert seen.seen == [n - lag for n in range(1, 7)]
+    s = monitor.summary()
+    assert s["steps"] == 6 and len(monitor.history) == 6
+    # Each step's time is its own (0.1 s of sleep), and the first batch of each epoch counts no wait.
+    assert all(row[0][0] >= 0.1 for row in monitor.history)
+    assert [row[0][6] == 0.0 for row in monitor.history] == [True, False, False, True, False, False]
+
+
+def test_unknown_timing_is_refused():
+    with pytest.raises(ValueError, match=r"timing='eventz'.*auto, events, synchronize"):
+        BalanceMonitor(timing="eventz")
+
+
+def test_timing_auto_uses_events_on_cuda_only(tmp_path):
+    monitor = BalanceMonitor(timing="auto")
+    trainer = Trainer(default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=2, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      callbacks=[monitor])
+    trainer.fit(TinyModule(), train_dataloaders=_loader(2))
+    assert monitor._events is False and monitor.summary()["steps"] == 2
+
+
+class _DeviceWork(LightningModule):
+    """~40 ms of device work a step (a chain of 2,048² matmuls, forward and backward) on B=3, S=12 batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(2048, 2048) / 45.0)
+        self.patch_size = (1, 2, 2)
+
+    def training_step(self, batch, batch_idx):
+        x = batch["latents"].mean() + torch.randn(2048, 2048, device=self.device)
+        for _ in range(40):
+            x = torch.tanh(x @ self.w)
+        return x.pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("timing", ["synchronize", "events"])
+def test_events_timing_hides_the_loader_behind_the_device_and_counts_what_is_left(tmp_path, timing):
+    # A loader that takes 20 ms a batch on the host. Synchronised, the device waits for it at every step; with
+    # events nothing waits for the device inside training, the host fetches the next batch while the device
+    # runs the last step, and the wait is the device's idle time between steps: ~0.
+    monitor = BalanceMonitor(log_every_n_steps=1, warmup_steps=2, timing=timing, print_report=False)
+    trainer = Trainer(default_root_dir=tmp_path, accelerator="gpu", devices=1, max_steps=12, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      callbacks=[monitor])
+    loader = torch.utils.data.DataLoader(_SlowData(0.02, n=12), batch_size=None, num_workers=0)
+    trainer.fit(_DeviceWork(), train_dataloaders=loader)
+    assert monitor._events is (timing == "events")
+    steps = sorted(row[0][0] for row in monitor.history)
+    waits = sorted(row[0][6] for row in monitor.history)
+    assert len(steps) == 10 and steps[5] > 0.02  # the device's step, not the host's launch time
+    if timing == "events":
+        assert waits[5] < 0.005
+    else:
+        assert waits[5] >= 0.019

@@ -72,9 +72,9 @@ class _Plan(pl.LightningDataModule):
         return [{"seq_len": 12, "batch_size": 3, "batches": 4}, {"seq_len": 24, "batch_size": 1, "batches": 4}]
 
 
-def _fit(rank: int, world: int, port: int, out: str) -> None:
+def _fit(rank: int, world: int, port: int, out: str, timing: str = "synchronize") -> None:
     init_rank(rank, world, port)
-    monitor = BalanceMonitor(log_every_n_steps=1, warmup_steps=1)
+    monitor = BalanceMonitor(log_every_n_steps=1, warmup_steps=1, timing=timing)
     per_step, outside = _count_in_hooks(monitor)
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, strategy=pl.strategies.DDPStrategy(process_group_backend="gloo"),
@@ -100,3 +100,17 @@ def test_one_collective_per_training_step_and_none_elsewhere(tmp_path):
         assert {(r[0][12], r[0][13]) for r in rows} == {(3.0, 12.0)}
         assert {(r[1][12], r[1][13]) for r in rows} == {(1.0, 24.0)}
         assert got["epoch_buckets"] == 1.0  # the estimate is the rank's own: it measured one shape
+
+
+def test_events_timing_gathers_each_step_once_a_step_late(tmp_path):
+    # With events each step's rows are gathered at the end of the next step (over the CPU group: here the
+    # gloo default group) and the last step's where training ends: still one all-gather per step.
+    spawn(_fit, 2, str(tmp_path), "events")
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["per_step"] == [[]] + [["c10d::allgather_"]] * (STEPS - 1), rank
+        assert got["outside"] == ["c10d::allgather_"], rank
+        rows = got["rows"]
+        assert len(rows) == STEPS - 1 and all(len(r) == 2 for r in rows)
+        assert {(r[0][12], r[0][13]) for r in rows} == {(3.0, 12.0)}
+        assert {(r[1][12], r[1][13]) for r in rows} == {(1.0, 24.0)}

@@ -546,3 +546,18 @@ def test_contexts_longer_than_text_len_are_refused_before_profiling(tmp_path):
     # Shorter contexts are zero-padded by the model: accepted.
     module = FlowMatchingModule("tiny")
     module.check_batch({"latents": torch.zeros(1, 16, 1, 2, 2), "context": torch.zeros(1, 5, 32)})
+
+
+@pytest.mark.cuda
+def test_the_progress_bar_shows_the_newest_loss_on_the_host_without_waiting_for_the_device():
+    module = FlowMatchingModule("tiny")
+    assert module._arrived_loss(torch.tensor(1.0, device="cuda")) in (None, 1.0)
+    torch.cuda.synchronize()
+    # The first copy has arrived by now; the second may or may not have.
+    assert float(module._arrived_loss(torch.tensor(2.0, device="cuda"))) in (1.0, 2.0)
+    torch.cuda.synchronize()
+    shown = module._arrived_loss(torch.tensor(3.0, device="cuda"))
+    assert shown.device.type == "cpu" and float(shown) in (2.0, 3.0)
+    torch.cuda.synchronize()
+    assert float(module._arrived_loss(torch.tensor(4.0, device="cuda"))) in (3.0, 4.0)
+    assert len(module._loss_copies) <= 1
