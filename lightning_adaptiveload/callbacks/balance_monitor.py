@@ -47,7 +47,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -102,7 +102,6 @@ class _Step:
     host_wait: float
     prev_end: Any = None  # the previous step's end mark (events: the device's gap before this step)
     finite: Any = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def batch_shape_of(pl_module: Any, batch: Any) -> tuple[int, int]:
