@@ -5,6 +5,7 @@
 #   b = the defaults (CUDA events read a step late; closed loop on)
 #   c = the defaults with the closed loop off
 # in ORDER (default "b c a"); a second call with ORDER="a c b" makes one ABBA series of every pair of arms.
+# EXTRA: more overrides of every run (e.g. EXTRA=model.attention=sdpa where FA4 is not installed).
 # Appends to $OUT/ab.json (copy its records into benchmarks/results/ab.json).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -21,7 +22,7 @@ timeout ${TIMEOUT:-560} python3 benchmarks/bench_ab.py --name wan2_1_1_3b_480p_m
     experiment=wan2_1_1_3b_480p trainer.devices=1 trainer.max_steps=${STEPS:-40} \
     callbacks.balance_monitor.warmup_steps=${WARMUP:-10} callbacks.shape_benchmark.closed_loop_every_n_steps=10 \
     trainer.enable_checkpointing=false '~callbacks.model_checkpoint' trainer.enable_progress_bar=false logger=none \
-    data.dataset.num_samples=20000 callbacks.shape_benchmark.force=true 2>&1 | tail -8
+    data.dataset.num_samples=20000 callbacks.shape_benchmark.force=true ${EXTRA:-} 2>&1 | tail -8
 kill $SMI 2>/dev/null
 python3 benchmarks/summarise.py clocks --csv "$OUT/gpu_clocks_monitor_timing.csv" \
     --benchmark device/gpu_monitor_timing.sh --command "ORDER=\"${ORDER:-b c a}\" bash benchmarks/device/gpu_monitor_timing.sh" \
