@@ -447,7 +447,9 @@ class BalanceMonitor(Callback):
 
     def _gather(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: _Step) -> np.ndarray:
         """Every rank's row of ``step``, ``[ranks, fields]``: one all-gather (none on one rank with events)."""
-        if not self._events:
+        if not self._events or (trainer.world_size > 1 and self._cpu_group is None):
+            # (Events on several ranks without a CPU group, where no process group existed at setup: the
+            # device's gather, which waits for the device.)
             local = torch.tensor(step.row, dtype=torch.float64, device=pl_module.device)
             if step.finite is not None:
                 local[11] = step.finite  # on the device: no extra synchronisation
@@ -456,7 +458,7 @@ class BalanceMonitor(Callback):
         if step.finite is not None:
             step.row[11] = float(bool(step.finite))
         local = torch.tensor(step.row, dtype=torch.float64)
-        if self._cpu_group is None or trainer.world_size == 1:
+        if trainer.world_size == 1:
             return local.reshape(1, -1).numpy()
         parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self._cpu_group))]
         dist.all_gather(parts, local, group=self._cpu_group)
