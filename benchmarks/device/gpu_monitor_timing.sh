@@ -2,8 +2,8 @@
 # BalanceMonitor's timing and the closed loop on the 480p recipe, one GPU (run on the device from the repository
 # root, FA4 installed as ../shared/device/README.md says): benchmarks/bench_ab.py with three arms, every run profiling,
 #   a = callbacks.balance_monitor.timing=synchronize (a synchronisation around every step; closed loop on)
-#   b = the defaults (CUDA events read a step late; closed loop on)
-#   c = the defaults with the closed loop off
+#   b = callbacks.balance_monitor.timing=events (CUDA events read a step late; closed loop on)
+#   c = timing=events with the closed loop off
 # in ORDER (default "b c a"); a second call with ORDER="a c b" makes one ABBA series of every pair of arms.
 # EXTRA: more overrides of every run (e.g. EXTRA=model.attention=sdpa where FA4 is not installed).
 # Appends to $OUT/ab.json (copy its records into benchmarks/results/ab.json).
@@ -16,8 +16,8 @@ nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv -l 1 > "$OUT/
 SMI=$!
 # shellcheck disable=SC2086
 timeout ${TIMEOUT:-560} python3 benchmarks/bench_ab.py --name wan2_1_1_3b_480p_monitor_timing --order ${ORDER:-b c a} \
-    --a callbacks.balance_monitor.timing=synchronize --b callbacks.balance_monitor.timing=auto \
-    --c callbacks.balance_monitor.timing=auto callbacks.shape_benchmark.closed_loop=false \
+    --a callbacks.balance_monitor.timing=synchronize --b callbacks.balance_monitor.timing=events \
+    --c callbacks.balance_monitor.timing=events callbacks.shape_benchmark.closed_loop=false \
     --out "$OUT/ab.json" --work "$OUT/runs" --timeout ${RUN_TIMEOUT:-270} -- \
     experiment=wan2_1_1_3b_480p trainer.devices=1 trainer.max_steps=${STEPS:-40} \
     callbacks.balance_monitor.warmup_steps=${WARMUP:-10} callbacks.shape_benchmark.closed_loop_every_n_steps=10 \
