@@ -167,8 +167,15 @@ def test_an_overhead_the_profile_did_not_see_re_plans_to_larger_batches(tmp_path
 def test_a_transient_slow_start_is_not_re_planned_on_unless_the_next_check_agrees(tmp_path):
     # Steps 0-11 pay 30 ms more: the check at step 16 sees mostly slow steps and calls for larger batches;
     # by step 32 most steps were fast and the call is gone, so with the default confirm=2 nothing re-plans.
-    bench, _, seen, dm = _fit(tmp_path / "two", SlowStart(extra=0.03, until=12), every=16, confirm=2, max_steps=64)
-    assert bench.decisions[0][1].replan, [d.summary() for _, d, _ in bench.decisions]
+    # Real sleeps on a shared CPU: a later check's call near the 3% threshold is noise one run in several (seen
+    # once in a whole-suite run), so the run gets a second try; with the rule broken (one call re-plans) the
+    # first check's call re-plans in both.
+    for attempt in range(2):
+        bench, _, seen, dm = _fit(tmp_path / f"two{attempt}", SlowStart(extra=0.03, until=12), every=16, confirm=2,
+                                  max_steps=64)
+        assert bench.decisions[0][1].replan, [d.summary() for _, d, _ in bench.decisions]
+        if not any(d.replan for _, d, _ in bench.decisions[1:]):
+            break
     assert not any(d.replan for _, d, _ in bench.decisions[1:]), [d.summary() for _, d, _ in bench.decisions]
     assert all(at is None for _, _, at in bench.decisions) and not dm.sampler.replans
     # One check's call alone re-plans with confirm=1: what the default guards against.
