@@ -81,11 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pair {i // 2 + 1}/{args.pairs} {arm}: {r['tokens_per_s']:,.0f} tokens/s "
                   f"(epoch {r['epoch_tokens_per_s'] or float('nan'):,.0f}), {r['wall_s']:.0f} s", flush=True)
 
-    def ratios(key: str) -> list[float]:
-        a, b = ([r for r in runs if r["kind"] == arm] for arm in ("a", "b"))
-        return [y[key] / x[key] for x, y in zip(a, b, strict=True) if x[key] and y[key]]
-
-    tps, epoch = ratios("tokens_per_s"), ratios("epoch_tokens_per_s")
+    tps, epoch = pair_ratios(runs, "b", "a"), pair_ratios(runs, "b", "a", "epoch_tokens_per_s")
     arms = [arm for arm in ("a", "b", "c") if any(r["kind"] == arm for r in runs)]
     result = {"name": args.name, "a": args.a, "b": args.b, "c": args.c, "order": sequence, "overrides": args.overrides,
               "pairs": args.pairs, "first": args.first, "load": bool(args.load), "runs": runs,

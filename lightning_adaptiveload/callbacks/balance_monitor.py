@@ -226,8 +226,6 @@ class BalanceMonitor(Callback):
         self._cpu_group: Any = None  # events on several ranks: the CPU group the rows are gathered over
         self._pending: _Step | None = None  # events: the last step, read at the end of the next one
         self._prev_end: Any = None  # events: the last step's end mark (None after a pause or at an epoch start)
-        self._finite_bufs: list[torch.Tensor] = []
-        self._buf_turn = 0
         self.print_report = print_report
         self.last_metrics: dict[str, float] = {}
         self._t0: float | None = None
@@ -412,12 +410,9 @@ class BalanceMonitor(Callback):
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         finite = torch.isfinite(loss.detach()).all() if isinstance(loss, torch.Tensor) else None
         if finite is not None and self._events and device.type == "cuda":
-            # A pinned host copy, read once the step's end mark (recorded after it) has completed: no wait.
-            # Two buffers in turn: the pending step's is read before the next step's copy can reach it.
-            self._buf_turn ^= 1
-            buf = self._finite_buffer(self._buf_turn)
-            buf.copy_(finite, non_blocking=True)
-            finite = buf
+            # A pinned host copy of its own, read once the step's end mark (recorded after it) has completed.
+            host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            finite = host.copy_(finite, non_blocking=True)
         marks = {"start": self._t0, "fwd": self._t_fwd, "opt": self._t_opt, "end": self._mark(device)}
         self._t0 = None
         # Times (step, forward, wait, overhead) are filled in by `_finish`.
@@ -435,11 +430,6 @@ class BalanceMonitor(Callback):
             self._finish(step, trainer, pl_module, log=True)
         # The gap to the next batch starts here: this callback's own gather is not data wait.
         self._t_end = time.perf_counter()
-
-    def _finite_buffer(self, i: int) -> torch.Tensor:
-        while len(self._finite_bufs) <= i:
-            self._finite_bufs.append(torch.ones((), dtype=torch.bool, pin_memory=True))
-        return self._finite_bufs[i]
 
     def _flush(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Finish the step still pending (events timing), on every rank at the same point of training."""
