@@ -93,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
               "how": (f"adaptiveload-train subprocesses in ABBA order from arm {args.first}, one calibration cache; "
                       "BalanceMonitor run means and epoch estimates; ratios: B over A, median over pairs")}
     append_record(args.out, "bench_ab.py", result, run)
-    print(f"{args.name}: B / A tokens/s per pair {', '.join(f'{x:.3f}' for x in tps)} (median "
-          f"{result['b_over_a_tokens_per_s']:.3f}); epoch {', '.join(f'{x:.3f}' for x in epoch)}; wrote {args.out}")
+    ratios = "; ".join(f"{k} {', '.join(f'{x:.3f}' for x in v)}" for k, v in result["ratios"].items() if v)
+    print(f"{args.name}: tokens/s ratios per pair: {ratios or 'none (no arm ran beside another)'}; "
+          f"B / A epoch {', '.join(f'{x:.3f}' for x in epoch) or 'n/a'}; wrote {args.out}")
     return 0
 
 

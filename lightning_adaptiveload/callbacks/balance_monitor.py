@@ -34,10 +34,9 @@ have completed, or where training stops anyway (the end of an epoch, validation,
 host then keeps preparing the next step (the loader's hand-over, the hooks, the launches) while the device
 still runs the last one, which a synchronisation at each step would leave the device idle for. Step times
 are device times and the data wait of a step is the device's idle time between the end of the previous
-step and its start. Metrics are logged a step late. ``timing="synchronize"`` (the default) synchronises around
-each step and reads the host clock, the rows gathered at once; ``"auto"`` is events on CUDA and
-``"synchronize"`` elsewhere (the events path has not yet run on a GPU in this project's measurements, hence
-not the default).
+step and its start. Metrics are logged a step late. ``timing="synchronize"`` synchronises around each step
+and reads the host clock, the rows gathered at once; ``"auto"`` (the default) is events on CUDA and
+``"synchronize"`` elsewhere.
 
 This module is the callback: the per-step timing, the one gather and the run totals. What it reads from the
 device is in :mod:`~lightning_adaptiveload.callbacks._device_probes`; the per-shape table, the epoch
@@ -159,7 +158,7 @@ class BalanceMonitor(Callback):
             clock on CUDA, so times cover the kernels and not only their launch.
         timing: ``"events"``: CUDA events, no synchronisation inside training, each step's row read at the end
             of the next step (see the module docstring); ``"synchronize"``: the host clock around
-            synchronisations, each row read at once; ``"auto"``: events on CUDA, else ``"synchronize"``.
+            synchronisations, each row read at once; ``"auto"`` (default): events on CUDA, else ``"synchronize"``.
         print_report: print the end-of-fit report on rank 0.
         warmup_steps: steps at the start of fit left out of :meth:`summary` and the report (compile,
             allocator and cuDNN warm-up).
@@ -192,7 +191,7 @@ class BalanceMonitor(Callback):
         warmup_steps: int = 0,
         peak_tflops: float | None = None,
         history_steps: int = 10_000,
-        timing: str = "synchronize",
+        timing: str = "auto",
     ) -> None:
         if not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
             raise ValueError(

@@ -1,10 +1,12 @@
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from omegaconf import OmegaConf
 
 from lightning_adaptiveload.callbacks import balance_monitor
 from lightning_adaptiveload.callbacks.balance_monitor import BalanceMonitor
@@ -545,7 +547,11 @@ def test_unknown_timing_is_refused():
 
 
 def test_timing_auto_uses_events_on_cuda_only(tmp_path):
-    monitor = BalanceMonitor(timing="auto")
+    # `auto` is the default, in the class and in the Hydra config the recipes compose.
+    conf = OmegaConf.load(Path(__file__).resolve().parents[2] / "conf" / "callbacks" / "balance_monitor.yaml")
+    assert conf.balance_monitor.timing == "auto"
+    monitor = BalanceMonitor()
+    assert monitor.timing == "auto"
     trainer = Trainer(default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=2, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                       callbacks=[monitor])
