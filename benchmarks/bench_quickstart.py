@@ -101,7 +101,10 @@ def run_train(kind: str, extra: list[str], work: Path, cache: Path, timeout: int
             "calibration_source": source[1] if source else None, "profiled": bool(source) and source[1] == "profiled",
             "provisional": "too noisy to keep" in log, "decisions": decisions, "overrides": args[3:],
             "per_shape": [{k: r[k] for k in ("B", "S", "steps", "measured_over_predicted") if k in r}
-                          for r in metrics.get("per_shape", [])]}
+                          for r in metrics.get("per_shape", [])],
+            # Every counted step (the slowest rank's time and data wait, ms), to find where two arms differ.
+            "step_ms": [round(r["step_s"] * 1e3, 2) for r in metrics.get("steps", [])],
+            "data_wait_ms": [round(r["data_wait_s"] * 1e3, 2) for r in metrics.get("steps", [])]}
 
 
 def _pct(x: float | None) -> str:

@@ -374,8 +374,12 @@ def test_metrics_json_names_a_prediction_without_cost_model_as_b_s_p(tmp_path):
     cfg = _compose(["bucketing=equal_token", "++trainer.max_steps=3", "logger=none", "print_plan=false",
                     "++callbacks.balance_monitor.print_report=false"], tmp_path)
     train(cfg)
-    rows = json.loads((tmp_path / "metrics.json").read_text())["per_shape"]
+    written = json.loads((tmp_path / "metrics.json").read_text())
+    rows = written["per_shape"]
     assert rows and all(r["predicted_B_S^2"] == r["B"] * r["S"] ** 2 for r in rows)
+    # Every counted step too, one row each (the monitor counts all 3: no warm-up steps configured).
+    assert len(written["steps"]) == written["balance/steps"] == 3
+    assert all(r["step_s"] > 0 and r["B"] * r["S"] > 0 for r in written["steps"])
     assert not any("predicted" in r or "measured_over_predicted" in r for r in rows)
 
 

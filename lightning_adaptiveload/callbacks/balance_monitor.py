@@ -618,6 +618,16 @@ class BalanceMonitor(Callback):
                 out["epoch_mfu"] = self.epoch["mfu"]
         return out
 
+    def step_rows(self) -> list[dict[str, float]]:
+        """The counted steps :attr:`history` still holds, oldest first, one dict each: the step's slowest rank
+        (``step_s``, its ``data_wait_s`` and ``overhead_s``, the slowest of each over ranks) and rank 0's batch
+        shape (``B``, ``S``). Written to ``metrics.json`` by ``adaptiveload-train`` for benchmarks that look at
+        single steps (a slow step after a callback's work, a clock drop)."""
+        col = {name: i for i, name in enumerate(_FIELDS)}
+        return [{"step_s": float(rows[:, col["step_time"]].max()), "data_wait_s": float(rows[:, col["data_wait"]].max()),
+                 "overhead_s": float(rows[:, col["overhead"]].max()), "B": int(rows[0, col["batch_size"]]),
+                 "S": int(rows[0, col["seq_len"]])} for rows in self.history]
+
     def per_shape(self) -> list[dict[str, float]]:
         """This rank's counted steps per batch shape, largest S first: ``B``, ``S``, ``steps``, mean
         ``step_s``, ``cycle_s`` (what a step of the shape cost training: the median over all ranks of the

@@ -143,8 +143,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
             # seconds to it means nothing; named as what it is.
             per_shape = [{**{k: v for k, v in row.items() if k not in ("predicted", "measured_over_predicted")},
                           f"predicted_B_S^{monitor.p:g}": row["predicted"]} for row in per_shape]
-        (Path(out_dir) / "metrics.json").write_text(json.dumps({**metrics, "per_shape": per_shape}, indent=1,
-                                                               sort_keys=True, default=float))
+        steps = monitor.step_rows() if monitor is not None else []
+        (Path(out_dir) / "metrics.json").write_text(json.dumps({**metrics, "per_shape": per_shape, "steps": steps},
+                                                               indent=1, sort_keys=True, default=float))
     return metrics
 
 

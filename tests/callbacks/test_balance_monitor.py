@@ -487,6 +487,11 @@ def test_history_keeps_the_last_steps_and_the_means_all_of_them():
     for t in (1.0, 2.0, 3.0, 4.0):
         monitor._accumulate(np.array([[t, t, t, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0, 0.0]]))
     assert [row[0][0] for row in monitor.history] == [3.0, 4.0]
+    # Two ranks' rows: a step's time and wait are its slowest rank's, its shape rank 0's.
+    two = BalanceMonitor()
+    two._accumulate(np.array([[1.0, 1.0, 1.0, 10.0, 0.0, 0.0, 0.5, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0, 0.1],
+                              [3.0, 1.0, 1.0, 10.0, 0.0, 0.0, 0.2, 0.0, 0.0, nan, nan, 1.0, 4.0, 7.0, 0.3]]))
+    assert two.step_rows() == [{"step_s": 3.0, "data_wait_s": 0.5, "overhead_s": 0.3, "B": 2, "S": 5}]
     assert monitor.summary()["steps"] == 4.0 and monitor.summary()["tokens_per_s"] == pytest.approx(40.0 / 10.0)
     none = BalanceMonitor(history_steps=0)
     none._accumulate(np.array([[1.0, 1.0, 1.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0, 0.0]]))
