@@ -251,7 +251,8 @@ def _heldout_median_rel_error(form: str, b: np.ndarray, s: np.ndarray, t: np.nda
     return float(np.median(np.concatenate(errors)))
 
 
-def _quality(form: str, params: dict[str, float], b: np.ndarray, s: np.ndarray, t: np.ndarray) -> dict[str, float]:
+def _quality(form: str, params: dict[str, float], b: np.ndarray, s: np.ndarray, t: np.ndarray,
+             heldout: bool = True) -> dict[str, float]:
     pred = _predict(form, np.array(list(params.values())), b, s)
     rel = np.abs(pred / t - 1.0)
     ss_tot = float(((t - t.mean()) ** 2).sum())
@@ -260,7 +261,7 @@ def _quality(form: str, params: dict[str, float], b: np.ndarray, s: np.ndarray, 
         "r2": r2,
         "median_rel_error": float(np.median(rel)),
         "max_rel_error": float(rel.max()),
-        "heldout_median_rel_error": _heldout_median_rel_error(form, b, s, t),
+        "heldout_median_rel_error": _heldout_median_rel_error(form, b, s, t) if heldout else float("nan"),
         "n_points": float(len(t)),
     }
 
@@ -371,7 +372,7 @@ class CostModel:
 
     @classmethod
     def fit(cls, batch_sizes: Any, seq_lens: Any, times: Any, form: str = "auto",
-            attention_tokens: Any = None) -> CostModel:
+            attention_tokens: Any = None, heldout: bool = True) -> CostModel:
         """Fits the model to measured step times.
 
         Args:
@@ -383,6 +384,9 @@ class CostModel:
                 to hold any out).
             attention_tokens: ``{S: S_attn}`` or a callable ``S -> S_attn`` (:func:`token_table`): the form is
                 fitted in the tokens attention sees; ``None``: in ``S``.
+            heldout: compute ``quality["heldout_median_rel_error"]`` (one refit per fold, most of the cost
+                of a fit); ``False`` leaves it NaN, for intermediate fits of a fixed ``form`` whose held-out
+                error nobody reads. ``form="auto"`` chooses by it and always computes it.
 
         Raises:
             ValueError: On mismatched lengths, non-finite or non-positive entries, fewer than 4 points,
@@ -419,7 +423,7 @@ class CostModel:
         # "auto" tries a form only with more points than parameters (the saturating form needs 5).
         forms = tuple(f for f in FORMS if len(t) > len(PARAM_NAMES[f])) if form == "auto" else (form,)
         fits = {f: _fit_params(f, b, s, t) for f in forms}
-        quals = {f: _quality(f, fits[f], b, s, t) for f in forms}
+        quals = {f: _quality(f, fits[f], b, s, t, heldout=heldout or form == "auto") for f in forms}
         if form == "auto":
             held = {f: quals[f]["heldout_median_rel_error"] for f in forms}
             if all(math.isfinite(v) for v in held.values()):

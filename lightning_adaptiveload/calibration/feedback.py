@@ -161,8 +161,9 @@ def _fit_with_corrections(merged: dict[tuple[int, int, str | None], float],
             used = merged
             base = [(k, t) for k, t in merged.items() if k[2] == base_mode]
         try:
+            # The held-out error (a refit per point, most of the cost) only of the fit the loop settles on.
             fitted = CostModel.fit([k[0] for k, _ in base], [k[1] for k, _ in base], [t for _, t in base], form=form,
-                                   attention_tokens=attention_tokens)
+                                   attention_tokens=attention_tokens, heldout=False)
         except ValueError as err:
             raise ValueError(f"refit: the corrected points do not fit the {form!r} form ({err})") from err
         scales = {}
@@ -178,6 +179,8 @@ def _fit_with_corrections(merged: dict[tuple[int, int, str | None], float],
         if found == corrected:
             break
         corrected = found
+    fitted = CostModel.fit([k[0] for k, _ in base], [k[1] for k, _ in base], [t for _, t in base], form=form,
+                           attention_tokens=attention_tokens)
     fixes = {s: _affine_correction(by_len[s]) for s in sorted(found)}
     return CostModel(fitted.form, fitted.params, fitted.quality, {s: f for s, (f, _) in fixes.items()},
                      fitted.attention_tokens, {s: o for s, (_, o) in fixes.items() if o != 0}), scales

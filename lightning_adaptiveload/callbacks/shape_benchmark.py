@@ -89,10 +89,10 @@ class ShapeBenchmarkCallback(Callback):
     the corrected model at ``closed_loop_confirm`` consecutive checks (2: a single check's gain can be a
     transient; on the 2-core CPU quickstart one check's re-plan on a slow start cost 7% of tokens/s), the
     DataModule re-plans from the next step no rank has drawn (every sample still once per epoch); otherwise
-    only the predictions change. The refit and the comparison run on a background thread while training
-    goes on; their decision is applied at the next training step (every rank waits there for the same
-    decision, computed from the same broadcast step times), so the training thread pays one broadcast per
-    check. Either way one line says what changed, the
+    only the predictions change. The refit and the comparison run on a background thread of rank 0 while
+    training goes on (one rank's CPU time, not every rank's: on a CPU job the ranks share the cores the
+    thread takes); their decision is broadcast and applied at the next training step on every rank, so the
+    training thread pays two broadcasts per check. Either way one line says what changed, the
     corrected calibration replaces the cache entry (marked as corrected from N training steps), and after
     a re-plan the checkpoints carry it, so a resume plans the same batches.
 
@@ -183,7 +183,7 @@ class ShapeBenchmarkCallback(Callback):
         self._wanted = 0  # consecutive checks that called for a re-plan (the same on every rank)
         self._next_check: int | None = None
         # The check being computed on the background thread: (global step it was taken at, its result).
-        self._pending: tuple[int, Future] | None = None
+        self._pending: tuple[int, Future | None] | None = None  # rank 0's future; None on the other ranks
         self._pool: ThreadPoolExecutor | None = None
         self._loop_warned = False
         #: The closed loop's decisions of this fit: ``(global step, Decision, re-planned at epoch step or None)``.
@@ -322,6 +322,9 @@ class ShapeBenchmarkCallback(Callback):
                                                          monitor.overhead_s()))
         if not observed:
             return
+        if not trainer.is_global_zero:  # rank 0 computes; _finish_check broadcasts its outcome
+            self._pending = (step, None)
+            return
         # The corpus's grids are read once here; the thread counts them (the training thread only reads).
         args = (self.calibration, self.derivation, [feedback.Observation(*o) for o in observed], overhead,
                 trainer.world_size, sampler_settings(trainer), samples_of(trainer))
@@ -337,8 +340,8 @@ class ShapeBenchmarkCallback(Callback):
                 observed: list[feedback.Observation], overhead: float | None, world_size: int,
                 sampler: dict[str, Any], samples: tuple[Any, Any]
                 ) -> tuple[record.Calibration, feedback.Decision, float]:
-        """The closed loop's computation (background thread): refit, then compare the corrected policy with
-        the running one. A pure function of its arguments, so every rank reaches the same decision."""
+        """The closed loop's computation (rank 0's background thread): refit, then compare the corrected policy
+        with the running one. A pure function of its arguments."""
         start = time.perf_counter()
         grids, counts = count_buckets(samples[0])
         corrected = feedback.refit(calibration, observed, overhead_s=overhead)
@@ -350,13 +353,27 @@ class ShapeBenchmarkCallback(Callback):
         """Apply the pending check's decision at training step ``step`` (waiting for it if it is not done)."""
         (checked, future), self._pending = self._pending, None
         waited = time.perf_counter()
-        try:
-            corrected, decision, took = future.result()
-        except (ValueError, record.CalibrationError) as err:
-            rank_zero_warn(f"{_NAME}: step {checked}: the closed loop could not correct the calibration ({err}); "
-                           "keeping it.")
-            return
+        outcome: Any = None
+        if future is not None:
+            try:
+                outcome = ("ok", future.result())
+            except (ValueError, record.CalibrationError) as err:
+                outcome = ("keep", str(err))
+            except Exception as err:  # noqa: BLE001 - raised below on every rank, not on rank 0 alone
+                outcome = ("raise", f"{type(err).__name__}: {err}")
+        # Rank 0's outcome on every rank (other ranks computed nothing): all apply the same decision.
+        outcome = trainer.strategy.broadcast(outcome)
         waited = time.perf_counter() - waited
+        if outcome is None:  # only when a rank started a check rank 0 did not: a bug, never silently skipped
+            raise RuntimeError(f"{_NAME}: step {checked}: rank 0 sent no closed-loop decision.")
+        if outcome[0] == "raise":
+            raise RuntimeError(f"{_NAME}: step {checked}: the closed loop failed on rank 0 ({outcome[1]}). "
+                               "Set `callbacks.shape_benchmark.closed_loop=false` to train without it.")
+        if outcome[0] == "keep":
+            rank_zero_warn(f"{_NAME}: step {checked}: the closed loop could not correct the calibration "
+                           f"({outcome[1]}); keeping it.")
+            return
+        corrected, decision, took = outcome[1]
         dm = trainer.datamodule
         at = None
         model = decision.derivation.cost_model or corrected.cost_model
@@ -386,7 +403,7 @@ class ShapeBenchmarkCallback(Callback):
         """Wait for a check still being computed (its decision is applied at the next step as usual): a DataLoader
         forks its workers when an epoch or a validation run starts, and a fork while the background thread is
         inside numpy or scipy can leave the child holding their locks."""
-        if self._pending is not None:
+        if self._pending is not None and self._pending[1] is not None:
             wait([self._pending[1]])
 
     @override

@@ -63,6 +63,19 @@ def test_quadratic_exact_and_noisy_recovery():
     assert noisy.quality["heldout_median_rel_error"] < 0.03
 
 
+def test_heldout_false_skips_only_the_held_out_error():
+    b, s = _grid()
+    t = _noisy(_quadratic(b, s), seed=1)
+    full = CostModel.fit(b, s, t, form="saturating")
+    quick = CostModel.fit(b, s, t, form="saturating", heldout=False)
+    assert quick.params == full.params and math.isnan(quick.quality["heldout_median_rel_error"])
+    assert math.isfinite(full.quality["heldout_median_rel_error"])
+    assert {k: v for k, v in quick.quality.items() if k != "heldout_median_rel_error"} == {
+        k: v for k, v in full.quality.items() if k != "heldout_median_rel_error"}
+    # "auto" chooses its form by the held-out error, so it computes it anyway.
+    assert math.isfinite(CostModel.fit(b, s, t, heldout=False).quality["heldout_median_rel_error"])
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_auto_picks_generating_form(seed):
     b, s = _grid()

@@ -1,6 +1,7 @@
 """The closed loop's Lightning-free half: refit a calibration with training's step times, decide on a re-plan."""
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -61,6 +62,8 @@ def test_a_uniform_slowdown_corrects_the_predictions_and_changes_no_batch_size()
     observed = _observed(running, lambda s: 1.1)  # a GPU under its power cap: every shape 10% slower
     new = refit(cal, observed)
     assert new.cost_model.form == cal.cost_model.form and not new.cost_model.corrections
+    # The refit's intermediate fits skip the held-out error; the one it keeps has it.
+    assert math.isfinite(new.cost_model.quality["heldout_median_rel_error"])
     assert new.extra["feedback"]["transfer"]["clock"] == pytest.approx(1.1)
     for o in observed:
         assert float(new.cost_model.predict(o.batch_size, o.seq_len)) == pytest.approx(o.median_seconds, rel=1e-6)

@@ -428,3 +428,58 @@ def test_two_ranks_killed_after_a_re_plan_resume_on_one_process_and_keep_every_s
         copies = {b: n - 1 for b, n in batches.items() if n > 1}
         assert sum(copies.values()) <= 2, (epoch, copies)
         assert sum(counts.values()) - N == sum(len(b) * k for b, k in copies.items()), epoch
+
+
+_TWO_RANKS = """
+import json, sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from lightning_adaptiveload.callbacks.shape_benchmark import ShapeBenchmarkCallback
+from test_closed_loop import SleepModule, _fit
+
+calls = []
+decide = ShapeBenchmarkCallback._decide
+ShapeBenchmarkCallback._decide = staticmethod(lambda *a, **k: calls.append(1) or decide(*a, **k))
+bench, _, _, dm = _fit(Path({work!r}), SleepModule(extra=0.03), every=10, max_steps=24, devices=2, strategy="ddp")
+rank = dm.trainer.global_rank
+Path({out!r} + f".{{rank}}").write_text(json.dumps(
+    {{"computed": len(calls), "decisions": [[step, d.replan, at] for step, d, at in bench.decisions],
+      "source": bench.source, "segments": dm.sampler.state_dict()["segments"]}}, default=str))
+"""
+
+
+@pytest.mark.slow  # ~20 s on a 2-core CPU: two gloo ranks through a re-plan
+def test_two_ranks_apply_rank_0s_decision_and_only_rank_0_computes_it(tmp_path):
+    # The refit and comparison run on rank 0 alone (on a CPU job the ranks share the cores a second
+    # computation would take); every rank applies the same broadcast decision at the same step.
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "rank"
+    script = tmp_path / "run.py"
+    script.write_text(_TWO_RANKS.format(tests=str(Path(__file__).parent), work=str(tmp_path / "a"), out=str(out)))
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK",
+                                                            "WORLD_SIZE", "NODE_RANK")}  # fmt: skip
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1)]
+    assert ranks[0]["computed"] >= 1 and ranks[1]["computed"] == 0
+    assert ranks[0]["decisions"] == ranks[1]["decisions"] and any(replan for _, replan, _ in ranks[0]["decisions"])
+    assert ranks[0]["source"] == ranks[1]["source"] and ranks[0]["source"].startswith("corrected")
+    assert ranks[0]["segments"] == ranks[1]["segments"]
+
+
+def test_a_failure_on_rank_0_is_raised_on_every_rank_not_skipped(tmp_path, monkeypatch):
+    # A bug in the check (not a fit that cannot correct) must not pass silently, nor leave the other ranks
+    # waiting: the broadcast outcome makes every rank raise with the cause.
+    def broken(*args, **kwargs):
+        raise KeyError("boom")
+
+    monkeypatch.setattr(ShapeBenchmarkCallback, "_decide", staticmethod(broken))
+    with pytest.raises(RuntimeError, match=r"closed loop failed on rank 0 \(KeyError: 'boom'\).*closed_loop=false"):
+        _fit(tmp_path, SleepModule(extra=0.03), every=10, max_steps=14)
