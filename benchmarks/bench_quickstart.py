@@ -36,6 +36,7 @@ BASELINE = ["bucketing=equal_token", "bucketing.policy.max_tokens=4096"]
 _GAIN = re.compile(r"this plan trains at ([+-][0-9.]+)% tokens/s under the cost model corrected"
                    r"(?:.*?started with predicted ([+-][0-9.]+)%)?")
 _SOURCE = re.compile(r"Shape benchmark \(([^;)]+)")
+_CHANGE = re.compile(r"S=([0-9,]+) (\d+)->(\d+)")
 _DECISION = re.compile(r"`ShapeBenchmarkCallback`: step (\d+): (re-plan|keep the plan): ([+-][0-9.]+)% .*?"
                        r"measured/predicted over \d+ shape\(s\), [0-9,]+ steps: ([0-9.]+) \(([0-9.]+)-([0-9.]+)\) -> "
                        r"([0-9.]+) \(([0-9.]+)-([0-9.]+)\).*?the plan now trains at ([0-9,]+) predicted tokens/s")
@@ -63,6 +64,19 @@ def cpu_load(enabled: bool) -> Iterator[None]:
         burner.join(5)
 
 
+def parse_decisions(log: str) -> list[dict[str, Any]]:
+    """The closed loop's check lines of a run's log: step, verdict, predicted gain, measured/predicted before and
+    after (median, min, max), the plan's predicted tokens/s and the batch sizes the corrected policy changes."""
+    return [{"step": int(m[1]), "replan": m[2] == "re-plan", "gain": float(m[3]) / 100,
+             "ratio_before": [float(m[4]), float(m[5]), float(m[6])],
+             "ratio_after": [float(m[7]), float(m[8]), float(m[9])],
+             "predicted_tokens_per_s": float(m[10].replace(",", "")),
+             # S -> [old B, new B] of the buckets the corrected policy changes (applied only on a re-plan).
+             "batch_changes": {c[1].replace(",", ""): [int(c[2]), int(c[3])]
+                               for c in _CHANGE.finditer(m[0].split("; measured/predicted")[0])}}
+            for m in _DECISION.finditer(log)]
+
+
 def run_train(kind: str, extra: list[str], work: Path, cache: Path, timeout: int) -> dict[str, Any]:
     """One ``adaptiveload-train`` run with ``extra`` overrides (plus the baseline's for ``kind="baseline"``):
     its final metrics, wall time and the closed loop's decisions as logged."""
@@ -80,10 +94,7 @@ def run_train(kind: str, extra: list[str], work: Path, cache: Path, timeout: int
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} failed (rc {proc.returncode}):\n{log[-3000:]}")
     metrics = json.loads((out / "metrics.json").read_text())
-    decisions = [{"step": int(m[1]), "replan": m[2] == "re-plan", "gain": float(m[3]) / 100,
-                  "ratio_before": [float(m[4]), float(m[5]), float(m[6])],
-                  "ratio_after": [float(m[7]), float(m[8]), float(m[9])],
-                  "predicted_tokens_per_s": float(m[10].replace(",", ""))} for m in _DECISION.finditer(log)]
+    decisions = parse_decisions(log)
     gain = _GAIN.search(log)
     source = _SOURCE.search(log)
     return {"kind": kind, "wall_s": wall,

@@ -22,3 +22,18 @@ def test_cpu_load_runs_a_process_only_inside_the_block():
 def test_the_calibration_source_is_read_from_the_table_title():
     assert bench._SOURCE.search("Shape benchmark (cache; profiled in 4 s) — quadratic")[1] == "cache"
     assert bench._SOURCE.search("Shape benchmark (profiled; profiled in 4 s)")[1] == "profiled"
+
+
+def test_a_check_line_is_read_with_its_batch_size_changes():
+    log = ("`ShapeBenchmarkCallback`: step 25: keep the plan: -1.2% predicted tokens/s under the corrected model "
+           "(re-plan from 3%); B S=16 203->198, S=1,560 34->31; measured/predicted over 5 shape(s), 27 steps: "
+           "1.33 (1.27-1.59) -> 1.00 (0.99-1.03); the plan now trains at 30,341 predicted tokens/s (0.25 s on a "
+           "background thread, applied at step 26; training waited 0.02 s)\n"
+           "`ShapeBenchmarkCallback`: step 50: re-plan: +4.0% predicted tokens/s under the corrected model "
+           "(re-plan from 3%); no batch size changes; measured/predicted over 7 shape(s), 1,065 steps: "
+           "1.23 (1.09-1.46) -> 1.00 (0.96-1.04); the plan now trains at 32,988 predicted tokens/s (0.16 s)")
+    first, second = bench.parse_decisions(log)
+    assert first == {"step": 25, "replan": False, "gain": -0.012, "ratio_before": [1.33, 1.27, 1.59],
+                     "ratio_after": [1.0, 0.99, 1.03], "predicted_tokens_per_s": 30341.0,
+                     "batch_changes": {"16": [203, 198], "1560": [34, 31]}}
+    assert second["replan"] and second["gain"] == 0.04 and second["batch_changes"] == {}
