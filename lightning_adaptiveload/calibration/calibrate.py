@@ -331,8 +331,12 @@ def derive_for(cal: record.Calibration, grids: np.ndarray, counts: np.ndarray, s
     tried = (cal.extra.get("checkpointing") or {}).get("modes") or [t.mode for t in tiers or ()]
     why = f"that fit one device even with '{tried[-1]}' activation checkpointing" if tried else "that fit one device"
     check_oversize(grids, counts, limit, oversize, why, samples, sp_degree)
+    # A profile too noisy to rank budgets trains at the memory caps; a calibration the closed loop corrected
+    # from training's steps is priced by those steps, whatever the spread of the profile it started from.
+    corrected = (cal.extra.get("provenance") or {}).get("source") == "corrected"
     derivation = derive.derive_policy(cal.cost_model, grids, m_mem, counts=counts, world_size=world_size,
-                                      balance=balance, step_budget_s=budget, oversize=oversize, seed=seed, tiers=tiers)
+                                      balance=balance, step_budget_s=budget, oversize=oversize, seed=seed, tiers=tiers,
+                                      noisy="" if corrected else too_noisy(cal))
     if derivation.warning:
         warn(derivation.warning)
     return derivation

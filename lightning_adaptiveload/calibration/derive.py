@@ -73,6 +73,8 @@ THROUGHPUT_TOLERANCE = 0.01
 FLAT_PROFILE_REL = 0.05
 #: ``Derivation.budget_source`` of the flat-profile rule.
 MEMORY_CAPS_SOURCE = "memory caps (flat profile)"
+#: ``Derivation.budget_source`` of a profile too noisy to rank budgets (``derive_policy(noisy=...)``).
+NOISY_CAPS_SOURCE = "memory caps (noisy profile)"
 _DEFAULT_CANDIDATES = 24
 # Budgets are compared on a corpus of at most this many samples (bucket proportions kept), so
 # deriving a policy for 10^8 samples costs the same as for 10^5.
@@ -406,6 +408,7 @@ def derive_policy(
     seed: int = 0,
     num_candidates: int = _DEFAULT_CANDIDATES,
     tiers: Sequence[ModeTier] | None = None,
+    noisy: str = "",
 ) -> Derivation:
     """Derive the policy for a corpus (see the module docstring).
 
@@ -425,6 +428,11 @@ def derive_policy(
         num_candidates: budgets tried between the two ends.
         tiers: per-bucket activation checkpointing (:func:`fit_tiers`); two or more give a
             :class:`~lightning_adaptiveload.bucketing.policy.TieredPolicy`, one prices the corpus in its mode.
+        noisy: why the profile behind ``cost_model`` is too noisy to rank step budgets (e.g.
+            :func:`~lightning_adaptiveload.calibration.calibrate.too_noisy`), ``""`` when it is not. A noisy
+            profile gets every bucket at its memory cap, as a flat one does (on a 2-core CPU beside another job
+            a noisy profile priced small batches as cheap and the run trained at 0.70x the equal-token baseline);
+            a given ``step_budget_s`` still wins.
 
     Raises:
         ValueError: no sample fits ``m_mem``, or a given budget is not above the fixed overhead.
@@ -473,9 +481,16 @@ def derive_policy(
         caps = np.maximum(1, make_policy(float("inf")).batch_sizes(uniq)) if tiers else np.maximum(1, m_mem // uniq)
         hi = float(np.max(price.predict(caps, uniq)))
         warning = _flat_profile(price, uniq, caps, hi, heldout, m_mem)
+        source = MEMORY_CAPS_SOURCE
+        if noisy and not warning and np.any(caps > 1):
+            warning = (f"the profile is too noisy to rank step budgets ({noisy}): every bucket trains at its memory "
+                       f"cap (M_mem = {m_mem:,} tokens). The closed loop corrects the cost model from training's own "
+                       "steps and re-plans where that pays; to profile again, use `force=True` on an otherwise idle "
+                       "device, or more `repeats`.")
+            source = NOISY_CAPS_SOURCE
         if warning:
             # Above the dearest cap batch's predicted step: every bucket at its memory cap.
-            budget, source = max(hi, above_fixed) * (1 + 1e-6), MEMORY_CAPS_SOURCE
+            budget = max(hi, above_fixed) * (1 + 1e-6)
             policy = make_policy(budget)
             predicted = _predict(corpus, policy, world_size, price, balance, seed)
         else:

@@ -76,6 +76,31 @@ def test_a_profile_whose_costs_differ_keeps_the_throughput_rule():
     assert derive.derive_policy(noisy, GRIDS, 352, counts=COUNTS).budget_source == derive.MEMORY_CAPS_SOURCE
 
 
+def test_a_noisy_profile_trains_every_bucket_at_its_memory_cap_until_training_corrects_it():
+    # Costs that differ (the throughput rule would pick a budget below the caps) from a profile whose repeated
+    # steps spread 40%: too noisy to rank budgets, so the caps; a corrected calibration gets the rule back.
+    cm = CostModel("quadratic", {"a": 0.02, "c1": 1e-3, "c2": 1e-6}, {"heldout_median_rel_error": 0.01})
+    seq = GRIDS.prod(axis=1)
+    ruled = derive.derive_policy(cm, GRIDS, 352, counts=COUNTS, world_size=2)
+    assert ruled.budget_source == "max predicted throughput"
+    assert ruled.policy.batch_sizes(seq).tolist() != (352 // seq).tolist()
+    meas = [Measurement(b, g, int(np.prod(g)), float(cm.predict(b, int(np.prod(g)))), None, "ok", 3, spread=0.4)
+            for b, g in [(1, (1, 4, 4)), (22, (1, 4, 4)), (1, (1, 8, 8)), (5, (1, 8, 8)), (1, (5, 6, 6))]]
+    cal = record.Calibration(dict(KEY), cm, meas)
+    warned = []
+    d = derive_for(cal, GRIDS, COUNTS, ProfileSettings(m_mem=352), world_size=2, warn=warned.append)
+    assert d.budget_source == derive.NOISY_CAPS_SOURCE and d.policy.batch_sizes(seq).tolist() == (352 // seq).tolist()
+    assert warned == [d.warning] and "median spread of repeated steps 40% above 25%" in d.warning
+    assert "force=True" in d.warning and "closed loop" in d.warning
+    # A budget the user gives still wins; a calibration corrected from training's steps is ranked as usual.
+    assert derive_for(cal, GRIDS, COUNTS, ProfileSettings(m_mem=352, step_budget_s=0.1),
+                      world_size=2).budget_source == "given"
+    cal.extra["provenance"] = {"source": "corrected", "training_steps": 100}
+    again = derive_for(cal, GRIDS, COUNTS, ProfileSettings(m_mem=352), world_size=2)
+    assert again.budget_source == "max predicted throughput"
+    assert again.policy.batch_sizes(seq).tolist() == ruled.policy.batch_sizes(seq).tolist()
+
+
 def test_a_flat_profile_through_the_conductor(monkeypatch):
     """End to end: every profiled step takes 104 ms on the clock; calibrate() derives, never refuses."""
     clock = FakeClock()
@@ -167,7 +192,10 @@ def test_a_noisy_profile_serves_its_run_but_the_next_run_profiles_again(monkeypa
     assert record.is_provisional(noisy.calibration)
     why = noisy.calibration.extra["provenance"]["provisional"]
     assert "median spread of repeated steps" in why and "above 25%" in why
-    assert sum("too noisy to keep" in w for w in warned) == 1 and "next run profiles again" in warned[-1]
+    (keep,) = [w for w in warned if "too noisy to keep" in w]
+    assert "next run profiles again" in keep
+    # ... at the memory caps: a profile this noisy cannot rank step budgets (one more warning says so).
+    assert noisy.derivation.budget_source == derive.NOISY_CAPS_SOURCE and noisy.derivation.warning in warned
     assert record.is_provisional(record.read_cache(tmp_path, key))  # cached, but marked
     # The next run profiles again (a quiet device this time), and that profile is kept.
     quiet, said, warned = run(lambda b, s: float(QUIET.predict(b, s)))
