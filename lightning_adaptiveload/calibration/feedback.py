@@ -179,8 +179,9 @@ def _fit_with_corrections(merged: dict[tuple[int, int, str | None], float],
         if found == corrected:
             break
         corrected = found
+    # Beside training (its GIL, its cores): the held-out fits start from this one.
     fitted = CostModel.fit([k[0] for k, _ in base], [k[1] for k, _ in base], [t for _, t in base], form=form,
-                           attention_tokens=attention_tokens)
+                           attention_tokens=attention_tokens, heldout="warm")
     fixes = {s: _affine_correction(by_len[s]) for s in sorted(found)}
     return CostModel(fitted.form, fitted.params, fitted.quality, {s: f for s, (f, _) in fixes.items()},
                      fitted.attention_tokens, {s: o for s, (_, o) in fixes.items() if o != 0}), scales

@@ -76,6 +76,25 @@ def test_heldout_false_skips_only_the_held_out_error():
     assert math.isfinite(CostModel.fit(b, s, t, heldout=False).quality["heldout_median_rel_error"])
 
 
+@pytest.mark.parametrize("form", ["power", "saturating"])
+def test_warm_held_out_fits_start_from_the_full_fit_and_agree_with_cold_ones(form, monkeypatch):
+    from lightning_adaptiveload.calibration import costmodel
+
+    b, s = _grid()
+    t = _noisy(_quadratic(b, s), seed=1)
+    calls = []
+    real = costmodel.least_squares
+    monkeypatch.setattr(costmodel, "least_squares", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cold = CostModel.fit(b, s, t, form=form)
+    n_cold, calls[:] = len(calls), []
+    warm = CostModel.fit(b, s, t, form=form, heldout="warm")
+    assert warm.params == cold.params
+    assert warm.quality["heldout_median_rel_error"] == pytest.approx(cold.quality["heldout_median_rel_error"], rel=1e-3)
+    # One start per held-out fit instead of the form's three (the fit on all points keeps its three).
+    folds = len(t) if len(t) <= costmodel._LOO_MAX_POINTS else costmodel._KFOLD
+    assert n_cold == 3 * (folds + 1) and len(calls) == folds + 3
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_auto_picks_generating_form(seed):
     b, s = _grid()
