@@ -252,8 +252,14 @@ def test_data_wait_measures_a_slow_loader(tmp_path, delay, want, tol, timing):
                       callbacks=[monitor])
     loader = torch.utils.data.DataLoader(_SlowData(delay), batch_size=None, num_workers=0)
     trainer.fit(_SleepyStep(), train_dataloaders=loader)
-    assert monitor.summary()["data_wait_frac"] == pytest.approx(want, abs=tol)
     waits = sorted(row[0][6] for row in monitor.history)
+    steps = [row[0][0] for row in monitor.history]
+    # The run's fraction is its waits over its steps plus waits (exactly); it is near `want` unless one gap
+    # ran long on a busy machine (one 0.1 s scheduler hiccup is 12% of 7 such steps: seen once in CI), so
+    # the largest gap is left out of the check against `want`.
+    frac = monitor.summary()["data_wait_frac"]
+    assert frac == pytest.approx(sum(waits) / (sum(waits) + sum(steps)), rel=1e-9)
+    assert sum(waits[:-1]) / (sum(waits[:-1]) + sum(steps)) == pytest.approx(want, abs=tol)
     # A sleep lasts at least its delay; on a busy machine some gaps run longer, so the median is checked.
     assert waits[0] >= delay - 1e-3
     assert waits[len(waits) // 2] == pytest.approx(delay, abs=0.03)
