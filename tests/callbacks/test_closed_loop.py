@@ -343,12 +343,14 @@ def test_sigkill_after_a_re_plan_then_resume_keeps_every_sample_once(tmp_path):
 
 
 _KILLED_RUN_2_RANKS = """
-import json, sys
+import json, sys, time
 from pathlib import Path
 sys.path.insert(0, {tests!r})
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from test_closed_loop import SleepModule, _fit
+from lightning_adaptiveload.calibration import feedback
+feedback.REPLAN_GAIN = -1.0  # re-plan at step 10 wherever a batch size changes, whatever the machine's timings
 
 class Tape(Callback):  # every batch of this rank with its step, on disk before the next step starts
     def __init__(self, path):
@@ -359,6 +361,8 @@ class Tape(Callback):  # every batch of this rank with its step, on disk before 
         self.file.write(json.dumps([trainer.global_step, trainer.datamodule.sampler.epoch,
                                     batch["index"].tolist()]) + "\\n")
         self.file.flush()
+        if trainer.global_step >= {save} + 2:  # wait here, inside epoch 0, for the kill (a busy machine's poller
+            time.sleep(30)                      # can be late by more than the epoch's last steps)
 
 saver = ModelCheckpoint(dirpath={ckpts!r}, filename="{{step}}", every_n_train_steps={save}, save_top_k=-1)
 _fit(Path({work!r}), SleepModule(extra=0.03), every=10, callbacks=[saver, Tape({tape!r})], max_epochs=2,
@@ -437,6 +441,8 @@ sys.path.insert(0, {tests!r})
 from lightning_adaptiveload.callbacks.shape_benchmark import ShapeBenchmarkCallback
 from test_closed_loop import SleepModule, _fit
 
+from lightning_adaptiveload.calibration import feedback
+feedback.REPLAN_GAIN = -1.0  # re-plan wherever a batch size changes: a decision to apply, whatever the timings
 calls = []
 decide = ShapeBenchmarkCallback._decide
 ShapeBenchmarkCallback._decide = staticmethod(lambda *a, **k: calls.append(1) or decide(*a, **k))
