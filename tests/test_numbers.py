@@ -30,6 +30,7 @@ CLAIMS = [
     ("README.md", "{closed_loop.on} tokens/s against {closed_loop.off} with it off"),
     ("README.md", "{quickstart.pairs}× tokens/s, median {quickstart.median}×"),
     ("README.md", "{quickstart_load.pairs}×, median {quickstart_load.median}×"),
+    ("README.md", "gives {quickstart.pooled} quiet and {quickstart_load.pooled} beside the job"),
     ("README.md", "cost-balanced steps {simulate.gain} tokens/s over equal-token batches at {simulate.ranks} ranks"),
     ("docs/benchmarks.md", "profile took {mixed.profile_s} s on one H200, {mixed.compile_s} s of it compiling"),
     ("docs/benchmarks.md", "`selective`); {diffusers_mixed.profile_s} s for diffusers' Wan"),
