@@ -168,6 +168,8 @@ def check_oversize(grids: np.ndarray, counts: np.ndarray, limit: int, oversize: 
         note = budget[1:-1] if budget.startswith("(") and budget.endswith(")") else None
         per_rank = f"{limit:,} tokens" + (f", {note}" if note is not None else f" {budget}".rstrip())
         budget, limit = f"(sequence-parallel degree {sp_degree} × {per_rank})", limit * sp_degree
+    if oversize != "error" or not (np.asarray(grids).reshape(-1, 3).prod(axis=1) > limit).any():
+        return  # no error to raise: the per-sample scan below only finds and names the first such sample
     if samples is not None:
         per_sample, label = samples
         per_sample = np.asarray(per_sample, dtype=np.int64).reshape(-1, 3)

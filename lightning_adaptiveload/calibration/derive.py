@@ -57,7 +57,7 @@ from lightning_adaptiveload.bucketing.policy import (
     TieredPolicy,
 )
 from lightning_adaptiveload.calibration.costmodel import CostModel, MemoryModel, map_tokens, token_table
-from lightning_adaptiveload.calibration.simulate import simulate
+from lightning_adaptiveload.calibration.simulate import CorpusSimulator, simulate
 
 #: Bytes per parameter of optimizer state not yet allocated when profiling: Adam-style optimizers
 #: create two fp32 moments on their first step, after the shape benchmark measured peak memory.
@@ -366,9 +366,14 @@ def _simulation_corpus(grids: np.ndarray, counts: np.ndarray, max_samples: int) 
     return np.repeat(grids, counts, axis=0)
 
 
-def _predict(grids: np.ndarray, policy: BatchSizePolicy, world_size: int, cost_model: Any,
+def _predict(grids: np.ndarray | CorpusSimulator, policy: BatchSizePolicy, world_size: int, cost_model: Any,
              balance: str, seed: int) -> dict[str, float]:
-    r = simulate(grids, policy, world_size, cost_model=cost_model, balance=balance, seed=seed)
+    """A simulated epoch's figures; ``grids`` may be a :class:`CorpusSimulator` of this world size, balance and
+    seed (the corpus indexed once for many policies)."""
+    if isinstance(grids, CorpusSimulator):
+        r = grids(policy, cost_model=cost_model)
+    else:
+        r = simulate(grids, policy, world_size, cost_model=cost_model, balance=balance, seed=seed)
     return {"tokens_per_s": r.tokens_per_s, "compute_cv": r.compute_cv, "bubble": r.bubble,
             "num_steps": float(r.num_steps)}
 
@@ -467,6 +472,7 @@ def derive_policy(
     # The baseline is one mode for the whole run: with tiers, the last (most recomputation) one.
     one_mode = cost_model.scaled(tiers[-1].scale) if len(tiers) > 1 else cost_model
     baseline = _predict(corpus, EqualTokenPolicy(m_mem), world_size, one_mode, "none", seed)
+    corpus = CorpusSimulator(corpus, world_size, balance=balance, seed=seed)  # every policy below plans it
     candidates: list[tuple[float, float]] = []
     warning = ""
     # The one-tier rule refuses a budget at or below the fixed overhead; a latency-bound fit (the saturating

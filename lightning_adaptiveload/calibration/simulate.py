@@ -104,27 +104,52 @@ def simulate(
             :class:`~lightning_adaptiveload.calibration.sequence_parallel.SequenceParallelCostModel`),
             counted on each of its k ranks; its tokens count once.
     """
-    sampler = AdaptiveBucketBatchSampler(shapes, policy, num_replicas=world_size, rank=0, seed=seed,
-                                         drop_last=drop_last, balance=balance, cost_model=cost_model,
-                                         sequence_parallel=sequence_parallel)
-    plan = sampler.plan()
-    times = plan.batch_cost[plan.steps]
-    summary = summarize_step_loads(times)
-    # Tokens and samples of distinct batches: padded repeats cost time but add no new data.
-    used = np.unique(plan.steps)
-    seq = sampler.bucket_seq_lens[plan.batch_bucket[used]]
-    samples = int(plan.batch_len[used].sum())
-    return SimulationResult(
-        name=name or f"{type(policy).__name__}/{balance}", world_size=int(world_size), balance=balance,
-        policy=repr(policy), step_times=times, compute_cv=summary["compute_cv"], bubble=summary["bubble"],
-        num_steps=plan.num_steps, tokens=int((plan.batch_len[used] * seq).sum()), samples=samples,
-        epoch_time=float(times.max(axis=1).sum()) if plan.num_steps else 0.0,
-        padded_samples=plan.padded_samples, dropped_samples=plan.dropped_samples,
-        skipped_samples=sampler.skipped_oversize,
-        sp_buckets=sorted((int(s), int(b), int(k)) for s, b, k in
-                          zip(sampler.bucket_seq_lens, sampler.bucket_batch_sizes, sampler.bucket_degrees, strict=True)
-                          if k > 1),
-    )
+    sim = CorpusSimulator(shapes, world_size, balance=balance, seed=seed, drop_last=drop_last,
+                          sequence_parallel=sequence_parallel)
+    return sim(policy, cost_model=cost_model, name=name)
+
+
+class CorpusSimulator:
+    """:func:`simulate` for many policies on one corpus: the samples are indexed into buckets once (at 10^6
+    samples that is ~40% of a simulated epoch; :func:`~lightning_adaptiveload.calibration.derive.derive_policy`
+    simulates ~25 step budgets, and the closed loop derives again at every check). Each call gives exactly
+    what :func:`simulate` gives for the same arguments."""
+
+    def __init__(self, shapes: np.ndarray | Sequence[Sequence[int]], world_size: int, *, balance: str = "cost",
+                 seed: int = 0, drop_last: bool = False,
+                 sequence_parallel: SequenceParallelConfig | None = None) -> None:
+        self._shapes: np.ndarray | Sequence[Sequence[int]] | None = shapes
+        self._settings = {"num_replicas": world_size, "rank": 0, "seed": seed, "drop_last": drop_last,
+                          "balance": balance, "sequence_parallel": sequence_parallel}
+        self._sampler: AdaptiveBucketBatchSampler | None = None
+
+    def __call__(self, policy: BatchSizePolicy, *, cost_model: CostPredictor | None = None,
+                 name: str | None = None) -> SimulationResult:
+        if self._sampler is None:
+            self._sampler = AdaptiveBucketBatchSampler(self._shapes, policy, cost_model=cost_model, **self._settings)
+            self._shapes = None  # the sampler holds the bucket of every sample
+        else:  # as a new sampler would: the given cost model, else the policy's own, else none
+            self._sampler.set_cost_model(None)
+            self._sampler.set_policy(policy, cost_model)
+        sampler, world_size, balance = self._sampler, self._settings["num_replicas"], self._settings["balance"]
+        plan = sampler.plan()
+        times = plan.batch_cost[plan.steps]
+        summary = summarize_step_loads(times)
+        # Tokens and samples of distinct batches: padded repeats cost time but add no new data.
+        used = np.unique(plan.steps)
+        seq = sampler.bucket_seq_lens[plan.batch_bucket[used]]
+        samples = int(plan.batch_len[used].sum())
+        return SimulationResult(
+            name=name or f"{type(policy).__name__}/{balance}", world_size=int(world_size), balance=balance,
+            policy=repr(policy), step_times=times, compute_cv=summary["compute_cv"], bubble=summary["bubble"],
+            num_steps=plan.num_steps, tokens=int((plan.batch_len[used] * seq).sum()), samples=samples,
+            epoch_time=float(times.max(axis=1).sum()) if plan.num_steps else 0.0,
+            padded_samples=plan.padded_samples, dropped_samples=plan.dropped_samples,
+            skipped_samples=sampler.skipped_oversize,
+            sp_buckets=sorted((int(s), int(b), int(k)) for s, b, k in
+                              zip(sampler.bucket_seq_lens, sampler.bucket_batch_sizes, sampler.bucket_degrees,
+                                  strict=True) if k > 1),
+        )
 
 
 def mixture_token_grids(

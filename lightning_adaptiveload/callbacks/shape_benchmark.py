@@ -20,7 +20,6 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_adaptiveload.bucketing.buckets import count_buckets
 from lightning_adaptiveload.calibration import derive, feedback, record
 from lightning_adaptiveload.calibration.calibrate import (
     ProfileSettings,
@@ -185,6 +184,7 @@ class ShapeBenchmarkCallback(Callback):
         # The check being computed on the background thread: (global step it was taken at, its result).
         self._pending: tuple[int, Future | None] | None = None  # rank 0's future; None on the other ranks
         self._pool: ThreadPoolExecutor | None = None
+        self._corpus: tuple[Any, Any] | None = None  # (distinct grids, counts) counted at fit start
         self._loop_warned = False
         #: The closed loop's decisions of this fit: ``(global step, Decision, re-planned at epoch step or None)``.
         self.decisions: list[tuple[int, feedback.Decision, int | None]] = []
@@ -236,6 +236,7 @@ class ShapeBenchmarkCallback(Callback):
         # checkpoint) still gives the per-bucket modes.
         self._auto_checkpointing = getattr(pl_module, "checkpointing", None) == "auto"
         grids, counts = corpus(trainer)
+        self._corpus = (grids, counts)  # the closed loop's checks derive for the same corpus
         # attention="auto": the backends are chosen first, so the profile and the key see them.
         choose_attention(trainer, pl_module, say=lambda line: rank_zero_info(f"{_NAME}: {line}"))
         result = calibrate(
@@ -325,9 +326,9 @@ class ShapeBenchmarkCallback(Callback):
         if not trainer.is_global_zero:  # rank 0 computes; _finish_check broadcasts its outcome
             self._pending = (step, None)
             return
-        # The corpus's grids are read once here; the thread counts them (the training thread only reads).
+        # The corpus's buckets were counted at fit start; its samples are passed for oversize errors' labels.
         args = (self.calibration, self.derivation, [feedback.Observation(*o) for o in observed], overhead,
-                trainer.world_size, sampler_settings(trainer), samples_of(trainer))
+                trainer.world_size, sampler_settings(trainer), self._corpus, samples_of(trainer))
         if self._pool is None:
             # One worker: checks are computed in order. A thread, not a process: the work is numpy and short,
             # and a thread shares the calibration without pickling it; the training thread mostly waits on
@@ -338,12 +339,12 @@ class ShapeBenchmarkCallback(Callback):
     @staticmethod
     def _decide(settings: ProfileSettings, calibration: record.Calibration, derivation: derive.Derivation,
                 observed: list[feedback.Observation], overhead: float | None, world_size: int,
-                sampler: dict[str, Any], samples: tuple[Any, Any]
+                sampler: dict[str, Any], buckets: tuple[Any, Any], samples: tuple[Any, Any]
                 ) -> tuple[record.Calibration, feedback.Decision, float]:
         """The closed loop's computation (rank 0's background thread): refit, then compare the corrected policy
         with the running one. A pure function of its arguments."""
         start = time.perf_counter()
-        grids, counts = count_buckets(samples[0])
+        grids, counts = buckets
         corrected = feedback.refit(calibration, observed, overhead_s=overhead)
         decision = feedback.compare(calibration, derivation, corrected, grids, counts, settings,
                                     world_size=world_size, **sampler, samples=samples)

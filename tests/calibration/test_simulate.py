@@ -72,3 +72,49 @@ def test_cli_prints_m_mem_policies_and_warns_for_tiny_plans(capsys):
                  "--json", "/dev/null"]) == 0
     with pytest.raises(SystemExit):
         main(["--mixture", "wan_480p", "--patch-size", "1,2"])
+
+
+@pytest.mark.parametrize("balance", ["cost", "none"])
+def test_a_corpus_simulator_gives_what_a_fresh_simulation_gives_for_each_policy_in_turn(balance):
+    # The corpus is indexed once and the policies swapped; each result must equal simulate()'s for the same
+    # arguments, whatever came before it: cost-model policies of several budgets, a policy without a cost model
+    # after one with (the sampler's cost model must not linger), one that skips oversize samples, then a
+    # cost-model policy again.
+    from lightning_adaptiveload.bucketing.policy import EqualTokenPolicy
+    from lightning_adaptiveload.calibration.derive import policy_for_budget
+    from lightning_adaptiveload.calibration.simulate import CorpusSimulator
+
+    shapes = mixture_token_grids(MIXED, 3_000)
+    cm = default_cost_model()
+    policies = [(policy_for_budget(cm, 65_520, budget), cm) for budget in (0.5, 2.0, 8.0)]
+    policies += [(DualConstraintPolicy(65_520, 20_000.0, 1.5), None), (EqualTokenPolicy(65_520), cm),
+                 (policy_for_budget(cm, 20_000, 1.0, oversize="skip"), None), (policy_for_budget(cm, 65_520, 3.0), None)]
+    sim = CorpusSimulator(shapes, 8, balance=balance, seed=3)
+    for policy, model in policies:
+        got = sim(policy, cost_model=model, name="x")
+        want = simulate(shapes, policy, 8, cost_model=model, balance=balance, seed=3, name="x")
+        assert got.to_dict() == want.to_dict(), policy
+        assert np.array_equal(got.step_times, want.step_times)
+    assert sim(policies[-2][0]).skipped_samples > 0  # the skipping policy did skip
+
+
+def test_derive_policy_is_unchanged_by_simulating_its_candidates_on_one_corpus(monkeypatch):
+    # derive_policy simulates every candidate on one CorpusSimulator; with a fresh simulation per candidate
+    # (as before) its derivation is the same.
+    import lightning_adaptiveload.calibration.derive as derive
+
+    shapes = mixture_token_grids(MIXED, 3_000)
+    shared = derive_policy(default_cost_model(), shapes, 65_520, world_size=8)
+
+    class Fresh:  # a CorpusSimulator that simulates each policy from scratch
+        def __init__(self, corpus, world_size, *, balance, seed):
+            self.args = (corpus, world_size, balance, seed)
+
+        def __call__(self, policy, *, cost_model=None, name=None):
+            corpus, world_size, balance, seed = self.args
+            return simulate(corpus, policy, world_size, cost_model=cost_model, balance=balance, seed=seed, name=name)
+
+    monkeypatch.setattr(derive, "CorpusSimulator", Fresh)
+    fresh = derive_policy(default_cost_model(), shapes, 65_520, world_size=8)
+    assert fresh.candidates == shared.candidates and fresh.predicted == shared.predicted
+    assert fresh.step_budget_s == shared.step_budget_s and repr(fresh.policy) == repr(shared.policy)
