@@ -14,6 +14,7 @@ counting them from every sample's token grid (as a check did before). Each is th
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -54,6 +55,13 @@ def _setup(grids: np.ndarray, counts: np.ndarray) -> tuple:
     return cal, settings, running, observed
 
 
+def _check(samples: np.ndarray, buckets: tuple | None, cal, settings, running, observed) -> None:
+    """One check: ``buckets`` counted beforehand, or ``None`` to count them from ``samples`` first."""
+    grids, counts = buckets or count_buckets(samples)
+    corrected = refit(cal, observed, overhead_s=None)
+    compare(cal, running, corrected, grids, counts, settings, world_size=WORLD, samples=(samples, None))
+
+
 def _time(fn, repeats: int) -> tuple[float, float]:
     times = []
     for _ in range(repeats):
@@ -74,15 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.sizes:
         samples = mixture_token_grids(get_mixture("wan_480p"), n)
         grids, counts = count_buckets(samples)
-        cal, settings, running, observed = _setup(grids, counts)
+        setup = _setup(grids, counts)
 
-        def check(buckets=None):
-            g, c = buckets or count_buckets(samples)
-            corrected = refit(cal, observed, overhead_s=None)
-            return compare(cal, running, corrected, g, c, settings, world_size=WORLD, samples=(samples, None))
-
-        check_s = _time(lambda: check((grids, counts)), args.repeats)  # noqa: B023 - called in this iteration
-        recount_s = _time(check, args.repeats)
+        check_s = _time(functools.partial(_check, samples, (grids, counts), *setup), args.repeats)
+        recount_s = _time(functools.partial(_check, samples, None, *setup), args.repeats)
         rows.append({"samples": n, "check_s": check_s[0], "check_median_s": check_s[1], "recount_s": recount_s[0],
                      "recount_median_s": recount_s[1]})
         print(f"{n:>12,} samples: check {check_s[0]:.3f} s (median {check_s[1]:.3f}), with recounting "
