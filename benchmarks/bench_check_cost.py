@@ -8,7 +8,7 @@ check as given the corpus's buckets counted once (as the callback does from fit 
 counting them from every sample's token grid (as a check did before). Each is the minimum (and median) of
 ``--repeats`` timings.
 
-    python benchmarks/bench_check_cost.py            # appends to benchmarks/results/closed_loop_check.json
+    python benchmarks/bench_check_cost.py            # appends to benchmarks/results/closed_loop.json
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[1_000, 100_000, 1_000_000, 10_000_000])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", type=Path, default=RESULTS / "closed_loop_check.json")
+    p.add_argument("--out", type=Path, default=RESULTS / "closed_loop.json")
     args = p.parse_args(argv)
     run = run_info()
     rows = []
