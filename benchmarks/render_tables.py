@@ -25,10 +25,10 @@ def _ms(v: float) -> str:
     return "failed" if math.isnan(v) else f"{v:.3f}"
 
 
-# bench_adaln.py's reference row is not a peer: say so where it appears.
 #: The quickstart's pooled figures take every pair recorded since then (the closed loop's checks and this
 #: benchmark's alternating pairs as they are now).
 QUICKSTART_POOLED_SINCE = "2026-12-04T18:26"
+# bench_adaln.py's reference row is not a peer: say so where it appears.
 PROVIDER_LABELS = {"same_bytes": "same bytes, no math (reference)"}
 
 
@@ -195,10 +195,10 @@ def figures() -> dict[str, str]:
     f["closed_loop.on"] = f"{cl['on']['tokens_per_s']:,.0f}"
     f["closed_loop.off"] = f"{cl['off']['tokens_per_s']:,.0f}"
     # A record marked ``disturbed`` (another job ran beside it unlabelled) is kept as data, not cited.
-    runs = [r["result"] for r in read_records(RESULTS / "quickstart_cpu.json")
-            if "ratio_per_pair" in r["result"] and not r["result"].get("disturbed")]
-    pooled = [r["result"] for r in read_records(RESULTS / "quickstart_cpu.json") if r["date"] >= QUICKSTART_POOLED_SINCE
-              and "ratio_per_pair" in r["result"] and not r["result"].get("disturbed")]
+    cited = [r for r in read_records(RESULTS / "quickstart_cpu.json")
+             if "ratio_per_pair" in r["result"] and not r["result"].get("disturbed")]
+    runs = [r["result"] for r in cited]
+    pooled = [r["result"] for r in cited if r["date"] >= QUICKSTART_POOLED_SINCE]
     for name, loaded in (("quickstart", False), ("quickstart_load", True)):  # the last quiet / loaded record
         q = [r for r in runs if bool(r.get("load")) == loaded][-1]
         f[f"{name}.pairs"] = ", ".join(f"{x:.2f}" for x in q["ratio_per_pair"])

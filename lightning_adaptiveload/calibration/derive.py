@@ -57,7 +57,7 @@ from lightning_adaptiveload.bucketing.policy import (
     TieredPolicy,
 )
 from lightning_adaptiveload.calibration.costmodel import CostModel, MemoryModel, map_tokens, token_table
-from lightning_adaptiveload.calibration.simulate import CorpusSimulator, simulate
+from lightning_adaptiveload.calibration.simulate import CorpusSimulator
 
 #: Bytes per parameter of optimizer state not yet allocated when profiling: Adam-style optimizers
 #: create two fp32 moments on their first step, after the shape benchmark measured peak memory.
@@ -366,14 +366,9 @@ def _simulation_corpus(grids: np.ndarray, counts: np.ndarray, max_samples: int) 
     return np.repeat(grids, counts, axis=0)
 
 
-def _predict(grids: np.ndarray | CorpusSimulator, policy: BatchSizePolicy, world_size: int, cost_model: Any,
-             balance: str, seed: int) -> dict[str, float]:
-    """A simulated epoch's figures; ``grids`` may be a :class:`CorpusSimulator` of this world size, balance and
-    seed (the corpus indexed once for many policies)."""
-    if isinstance(grids, CorpusSimulator):
-        r = grids(policy, cost_model=cost_model)
-    else:
-        r = simulate(grids, policy, world_size, cost_model=cost_model, balance=balance, seed=seed)
+def _predict(sim: CorpusSimulator, policy: BatchSizePolicy, cost_model: Any) -> dict[str, float]:
+    """A simulated epoch's figures: ``policy`` on ``sim``'s corpus, timed by ``cost_model``."""
+    r = sim(policy, cost_model=cost_model)
     return {"tokens_per_s": r.tokens_per_s, "compute_cv": r.compute_cv, "bubble": r.bubble,
             "num_steps": float(r.num_steps)}
 
@@ -397,7 +392,7 @@ def predict_policy(policy: BatchSizePolicy, price: Any, grids: Any, counts: Any,
     counts = np.asarray(counts, dtype=np.int64).reshape(-1)
     fits = grids.prod(axis=1) <= int(m_mem)
     corpus = _simulation_corpus(grids[fits], counts[fits], _MAX_SIMULATED_SAMPLES)
-    return _predict(corpus, policy, world_size, price, balance, seed)
+    return _predict(CorpusSimulator(corpus, world_size, balance=balance, seed=seed), policy, price)
 
 
 def derive_policy(
@@ -471,8 +466,9 @@ def derive_policy(
     uniq = np.unique(corpus.prod(axis=1))
     # The baseline is one mode for the whole run: with tiers, the last (most recomputation) one.
     one_mode = cost_model.scaled(tiers[-1].scale) if len(tiers) > 1 else cost_model
-    baseline = _predict(corpus, EqualTokenPolicy(m_mem), world_size, one_mode, "none", seed)
-    corpus = CorpusSimulator(corpus, world_size, balance=balance, seed=seed)  # every policy below plans it
+    baseline = _predict(CorpusSimulator(corpus, world_size, balance="none", seed=seed), EqualTokenPolicy(m_mem),
+                        one_mode)
+    sim = CorpusSimulator(corpus, world_size, balance=balance, seed=seed)  # every policy below plans this corpus
     candidates: list[tuple[float, float]] = []
     warning = ""
     # The one-tier rule refuses a budget at or below the fixed overhead; a latency-bound fit (the saturating
@@ -481,7 +477,7 @@ def derive_policy(
     if step_budget_s is not None:
         budget, source = float(step_budget_s), "given"
         policy = make_policy(budget)
-        predicted = _predict(corpus, policy, world_size, price, balance, seed)
+        predicted = _predict(sim, policy, price)
     else:
         lo = max(above_fixed, float(price.predict(1, int(uniq.max()))))
         caps = np.maximum(1, make_policy(float("inf")).batch_sizes(uniq)) if tiers else np.maximum(1, m_mem // uniq)
@@ -498,7 +494,7 @@ def derive_policy(
             # Above the dearest cap batch's predicted step: every bucket at its memory cap.
             budget = max(hi, above_fixed) * (1 + 1e-6)
             policy = make_policy(budget)
-            predicted = _predict(corpus, policy, world_size, price, balance, seed)
+            predicted = _predict(sim, policy, price)
         else:
             budgets = [lo] if hi <= lo * (1 + 1e-9) else np.geomspace(lo, hi, max(2, int(num_candidates))).tolist()
             results = []
@@ -509,7 +505,7 @@ def derive_policy(
                 pol = make_policy(b)
                 key = _plan_key(pol, uniq)
                 if key not in simulated:
-                    simulated[key] = _predict(corpus, pol, world_size, price, balance, seed)
+                    simulated[key] = _predict(sim, pol, price)
                 pred = dict(simulated[key])
                 results.append((b, pol, pred))
                 candidates.append((float(b), pred["tokens_per_s"]))
