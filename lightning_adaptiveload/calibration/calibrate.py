@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -48,6 +49,7 @@ from lightning_adaptiveload.calibration.profile import (
 __all__ = [
     "NOISY_PROFILE_REL", "CalibrationResult", "ProfileSettings", "Trainee", "calibrate", "check_oversize",
     "checkpoint_state", "metrics", "out_of_memory_advice", "profile_modes", "read_checkpoint_state", "too_noisy",
+    "trained_plan", "with_trained_plan",
 ]
 
 #: Version of :func:`checkpoint_state`; a state of another version is ignored (the run profiles or reads the cache).
@@ -153,6 +155,9 @@ class CalibrationResult:
     derivation: derive.Derivation
     source: str
     profiled: bool = False
+    #: The cost model the run's predictions use where it is not the derivation's: a corrected calibration's,
+    #: when the run trains the plan its last run measured (:func:`trained_plan`); ``None`` otherwise.
+    predict_with: Any = None
 
 
 def check_oversize(grids: np.ndarray, counts: np.ndarray, limit: int, oversize: str, budget: str = "",
@@ -254,6 +259,11 @@ def calibrate(
         text = broadcast(text)
         if text is not None:
             cal, source = record.Calibration.from_json(text), "cache"
+    if source == "cache":
+        kept = trained_plan(cal, grids, counts, settings, world_size=world_size, balance=balance, seed=seed,
+                            oversize=oversize, sp_degree=sp_degree, samples=samples, say=say, warn=warn)
+        if kept is not None:
+            return kept
     profiled = cal is None
     if cal is None:
         if settings.m_mem is not None:
@@ -277,6 +287,66 @@ def calibrate(
     derivation = derive_for(cal, grids, counts, settings, derived=derived, world_size=world_size, balance=balance,
                             seed=seed, oversize=oversize, sp_degree=sp_degree, say=say, samples=samples, warn=warn)
     return CalibrationResult(cal, derivation, str(source), profiled)
+
+
+def with_trained_plan(corrected: record.Calibration, running: record.Calibration,
+                      derivation: derive.Derivation) -> record.Calibration:
+    """``corrected`` (a closed-loop refit, for the cache) carrying the plan training ran when it was made, as a
+    :func:`checkpoint_state` in ``extra["feedback"]["trained"]``: the running calibration (without a plan of
+    its own, so records do not nest) and the budgets its policy was derived with. :func:`trained_plan` reads it."""
+    state = checkpoint_state(running, derivation)
+    inner = json.loads(state["calibration"])
+    (inner.get("extra", {}).get("feedback") or {}).pop("trained", None)
+    state["calibration"] = json.dumps(inner, sort_keys=True)
+    out = json.loads(corrected.to_json())
+    out["extra"]["feedback"] = {**(out["extra"].get("feedback") or {}), "trained": state}
+    return record.Calibration.from_dict(out, source="the corrected calibration")
+
+
+def trained_plan(cal: record.Calibration, grids: np.ndarray, counts: np.ndarray, settings: ProfileSettings, *,
+                 world_size: int = 1, balance: str = "cost", seed: int = 0, oversize: str = "error",
+                 sp_degree: int = 1, samples: tuple[np.ndarray, Any] | None = None,
+                 say: Callable[[str], None] = lambda line: None,
+                 warn: Callable[[str], None] = lambda line: None) -> CalibrationResult | None:
+    """A cached calibration the closed loop corrected, read back as the plan training measured.
+
+    A correction refits the cost model from the step times of the plan that ran; the policy derived afresh
+    from it can differ from that plan on a gain the correction cannot vouch for (batch sizes it never timed).
+    So a later run weighs the two as the closed loop does within a run
+    (:func:`~lightning_adaptiveload.calibration.feedback.compare`): it trains the measured plan again (its
+    calibration and budgets, as on resume) unless the new policy predicts at least
+    :data:`~lightning_adaptiveload.calibration.feedback.REPLAN_GAIN` more tokens/s under the corrected model;
+    the corrected model still prices its steps (:attr:`CalibrationResult.predict_with`).
+
+    Returns ``None`` (derive from ``cal`` as usual) where ``cal`` records no trained plan (a profile, an
+    older record), the new policy wins, or the settings pin budgets the trained plan did not use
+    (``m_mem``, ``step_budget_s``).
+    """
+    state = read_checkpoint_state((cal.extra.get("feedback") or {}).get("trained"))
+    if state is None or settings.step_budget_s is not None:
+        return None
+    derived = state["derived"]
+    if settings.m_mem is not None and int(derived["m_mem"]) != int(settings.m_mem):
+        return None
+    # Imported here: feedback imports this module (derive_for).
+    from lightning_adaptiveload.calibration import feedback
+
+    trained = record.Calibration.from_json(state["calibration"], source="the cached calibration's trained plan")
+    if trained.key != cal.key:
+        return None
+    sampler = dict(world_size=world_size, balance=balance, seed=seed, oversize=oversize, sp_degree=sp_degree,
+                   samples=samples)
+    running = derive_for(trained, grids, counts, settings, derived=derived, warn=warn, **sampler)
+    decision = feedback.compare(trained, running, cal, grids, counts, settings, **sampler)
+    if decision.replan:
+        say(f"the cached calibration's new plan predicts {decision.gain:+.1%} tokens/s over the plan its run "
+            f"measured (re-plan from {feedback.REPLAN_GAIN:.0%}): deriving it")
+        return None
+    say(f"training the plan the cached calibration's run measured: a new plan predicts {decision.gain:+.1%} "
+        f"tokens/s under the corrected model (re-plan from {feedback.REPLAN_GAIN:.0%}); "
+        f"{decision.old_tokens_per_s:,.0f} predicted tokens/s")
+    return CalibrationResult(trained, running, "cache", False,
+                             predict_with=decision.derivation.cost_model or cal.cost_model)
 
 
 def too_noisy(cal: record.Calibration) -> str:

@@ -30,6 +30,7 @@ from lightning_adaptiveload.calibration.calibrate import (
     metrics,
     out_of_memory_advice,
     read_checkpoint_state,
+    with_trained_plan,
 )
 from lightning_adaptiveload.calibration.profile import is_out_of_memory
 from lightning_adaptiveload.callbacks._trainee import (
@@ -197,6 +198,7 @@ class ShapeBenchmarkCallback(Callback):
         self.source: str | None = None
         self.profiled = False
         self._start_gain = float("nan")  # the policy's predicted gain over equal-token batches at fit start
+        self._predict_with: Any = None  # the cost model the monitor is to predict with from the first step
 
     def __getattr__(self, name: str) -> Any:
         # The settings read as attributes (`callback.max_shapes`), as the constructor's arguments.
@@ -248,6 +250,9 @@ class ShapeBenchmarkCallback(Callback):
             say=lambda line: rank_zero_info(f"{_NAME}: {line}"), warn=lambda line: rank_zero_warn(f"{_NAME}: {line}"))
         self.profiled = result.profiled
         self._apply(trainer, pl_module, result.calibration, result.derivation, result.source)
+        # A cached correction prices the plan its run measured: the BalanceMonitor's predictions use it from the
+        # first step (set then, as the monitor takes the DataModule's cost model when training starts).
+        self._predict_with = result.predict_with
         self._start_gain = result.derivation.baseline_gain
 
     @override
@@ -271,9 +276,15 @@ class ShapeBenchmarkCallback(Callback):
                                 world_size=trainer.world_size, **sampler_settings(trainer),
                                 samples=samples_of(trainer))
         self._apply(trainer, pl_module, restored, derivation, "checkpoint")
+        self._predict_with = None  # the checkpoint's calibration prices its own plan
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._predict_with is not None:
+            monitor = _monitor(trainer)
+            if monitor is not None:
+                monitor.set_cost_model(self._predict_with)
+            self._predict_with = None
         shape = getattr(pl_module, "batch_shape", None)
         if not callable(shape):
             self._last_batch = None
@@ -398,7 +409,8 @@ class ShapeBenchmarkCallback(Callback):
                        f"predicted tokens/s ({took:.2f} s on a background thread, applied at step {step}; "
                        f"training waited {waited:.2f} s)")
         if self.cache_dir is not None and trainer.is_global_zero:
-            record.write_cache(self.cache_dir, corrected)
+            # With the plan training ran, so that the next run trains it again unless a new one pays (trained_plan).
+            record.write_cache(self.cache_dir, with_trained_plan(corrected, self.calibration, self.derivation))
 
     def _settle(self) -> None:
         """Wait for a check still being computed (its decision is applied at the next step as usual): a DataLoader

@@ -10,9 +10,12 @@ from lightning_adaptiveload.bucketing.buckets import count_buckets
 from lightning_adaptiveload.calibration import record
 from lightning_adaptiveload.calibration.calibrate import (
     ProfileSettings,
+    calibrate,
     checkpoint_state,
     derive_for,
     read_checkpoint_state,
+    trained_plan,
+    with_trained_plan,
 )
 from lightning_adaptiveload.calibration.costmodel import CostModel
 from lightning_adaptiveload.calibration.derive import ModeTier
@@ -277,3 +280,76 @@ def test_a_length_whose_small_batch_is_faster_than_the_form_gets_a_negative_offs
     assert _affine_correction([(1, 1.0, 0.2), (100, 10.0, 8.0)])[1] == 0.0
     with pytest.raises(ValueError, match="offset"):
         CostModel(new.form, new.params, offsets={fast: float("nan")})
+
+
+def _cached_correction(tmp_path, balance):
+    """A run's closed loop as the cache keeps it: the profile ``cal``, the plan derived from it, and the
+    correction from training's steps (S = 7,800 twice its profiled time) carrying that plan."""
+    cal = _calibration()
+    running = _running(cal, balance)
+    corrected = refit(cal, _observed(running, lambda s: 2.0 if s == 7800 else 1.0))
+    record.write_cache(tmp_path, with_trained_plan(corrected, cal, running))
+    return cal, running, corrected
+
+
+def _from_cache(tmp_path, balance, said, settings=SETTINGS):
+    def never():
+        raise AssertionError("profiled although the cache holds the calibration")
+
+    return calibrate(GRIDS, COUNTS, settings, never, key={"model": "x"}, cache_dir=tmp_path, world_size=WORLD,
+                     balance=balance, say=said.append)
+
+
+def test_a_cached_correction_trains_the_plan_its_run_measured_unless_a_new_one_pays(tmp_path):
+    # Cost-balanced steps: the correction's new plan changes batch sizes for less than REPLAN_GAIN.
+    cal, running, corrected = _cached_correction(tmp_path, "cost")
+    decision = _compare(cal, running, corrected)
+    assert decision.batch_changes and not decision.replan
+    said: list[str] = []
+    result = _from_cache(tmp_path, "cost", said)
+    # The plan that ran, from its own calibration and budgets, as a resume would derive it ...
+    assert result.source == "cache" and not result.profiled
+    assert result.calibration.to_json() == cal.to_json()
+    assert np.array_equal(result.derivation.policy.batch_sizes(SEQ), running.policy.batch_sizes(SEQ))
+    fresh = derive_for(corrected, GRIDS, COUNTS, SETTINGS, world_size=WORLD, balance="cost")
+    assert not np.array_equal(fresh.policy.batch_sizes(SEQ), running.policy.batch_sizes(SEQ))
+    # ... priced by the corrected model: training's step times, the slow length included.
+    for o in _observed(running, lambda s: 2.0 if s == 7800 else 1.0):
+        assert float(result.predict_with.predict(o.batch_size, o.seq_len)) == pytest.approx(o.median_seconds, rel=1e-3)
+    (line,) = [x for x in said if x.startswith("training the plan the cached calibration's run measured")]
+    assert f"a new plan predicts {decision.gain:+.1%} tokens/s" in line
+    assert f"{decision.old_tokens_per_s:,.0f} predicted tokens/s" in line
+
+
+def test_a_cached_correction_whose_new_plan_pays_derives_it(tmp_path):
+    # Batches dealt at random: the slow length holds its steps up, and a smaller batch there pays.
+    cal, running, corrected = _cached_correction(tmp_path, "none")
+    decision = _compare(cal, running, corrected, balance="none")
+    assert decision.replan
+    said: list[str] = []
+    result = _from_cache(tmp_path, "none", said)
+    assert result.predict_with is None and result.calibration.extra["provenance"]["source"] == "corrected"
+    assert np.array_equal(result.derivation.policy.batch_sizes(SEQ), decision.derivation.policy.batch_sizes(SEQ))
+    assert any(f"new plan predicts {decision.gain:+.1%} tokens/s over the plan its run measured" in x for x in said)
+
+
+def test_a_cached_correction_serves_settings_its_plan_did_not_train_with_as_a_fresh_derivation(tmp_path):
+    _cached_correction(tmp_path, "cost")
+    cached = record.read_cache(tmp_path, {"model": "x"})
+    for settings in (ProfileSettings(m_mem=M_MEM // 2), ProfileSettings(m_mem=M_MEM, step_budget_s=1.0)):
+        assert trained_plan(cached, GRIDS, COUNTS, settings, world_size=WORLD) is None
+    said: list[str] = []
+    result = _from_cache(tmp_path, "cost", said, ProfileSettings(m_mem=M_MEM // 2))
+    assert result.predict_with is None and result.derivation.m_mem == M_MEM // 2
+    assert not any("trained" in x or "measured" in x for x in said)
+
+
+def test_the_trained_plan_a_correction_carries_does_not_nest():
+    cal = _calibration()
+    running = _running(cal)
+    once = with_trained_plan(refit(cal, _observed(running, lambda s: 1.1)), cal, running)
+    twice = with_trained_plan(refit(once, _observed(running, lambda s: 1.2)), once, running)
+    inner = record.Calibration.from_json(twice.extra["feedback"]["trained"]["calibration"])
+    assert "trained" not in inner.extra["feedback"] and inner.extra["provenance"]["source"] == "corrected"
+    assert twice.extra["feedback"]["trained"]["derived"] == checkpoint_state(once, running)["derived"]
+    assert record.Calibration.from_json(twice.to_json()).to_json() == twice.to_json()

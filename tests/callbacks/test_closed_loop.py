@@ -20,6 +20,7 @@ from torch.utils.data import Dataset
 
 from lightning_adaptiveload.bucketing.buckets import count_buckets
 from lightning_adaptiveload.bucketing.policy import DualConstraintPolicy, EqualTokenPolicy
+from lightning_adaptiveload.calibration import record
 from lightning_adaptiveload.calibration.derive import predict_policy
 from lightning_adaptiveload.calibration.feedback import REPLAN_GAIN
 from lightning_adaptiveload.callbacks.balance_monitor import BalanceMonitor
@@ -28,6 +29,7 @@ from lightning_adaptiveload.data.datamodule import AdaptiveLoadDataModule
 
 A, B_S = 0.0005, 4e-5  # profiled: 0.5 ms per step + 40 µs per token (the 1% rule stops below the memory cap)
 GRIDS = np.array([(1, 4, 4), (1, 8, 8), (3, 8, 8), (5, 8, 8)])
+SEQ = np.unique(GRIDS.prod(axis=1))
 N = 300
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning",
                                         "ignore::lightning.fabric.utilities.warnings.PossibleUserWarning")
@@ -260,6 +262,16 @@ def test_a_uniform_slowdown_corrects_predictions_but_changes_no_batch_size(tmp_p
     line = next(r.getMessage() for r in caplog.records if "against equal-token batches" in r.getMessage())
     assert f"this plan trains at {decision.gain_over_baseline(replanned=False):+.1%} tokens/s" in line
     assert f"corrected at step {step}" in line and f"started with predicted {start:+.1%}" in line
+    # The cache keeps the correction with the plan that ran; the next run trains that plan again (no batch
+    # size changes to weigh), from its calibration, and predicts its steps with the correction from step 1.
+    cached = record.read_cache(tmp_path / "cache", bench.calibration.key)
+    assert cached.extra["provenance"]["source"] == "corrected"
+    assert cached.extra["feedback"]["trained"]["calibration"] == bench.calibration.to_json()
+    again, monitor, _, dm = _fit(tmp_path, SleepModule(scale=1.3), every=1000, max_steps=15)
+    assert again.source == "cache" and again.calibration.to_json() == bench.calibration.to_json()
+    assert np.array_equal(dm.policy.batch_sizes(SEQ), bench.policy.batch_sizes(SEQ))
+    ratios = [r["measured_over_predicted"] for r in monitor.per_shape() if r["steps"] >= 3 and "cycle_s" in r]
+    assert ratios and all(0.9 < r < 1.1 for r in ratios), ratios
 
 
 @pytest.mark.slow  # 9 s on a 2-core CPU under load: off the quick path
