@@ -23,16 +23,11 @@ from scipy.optimize import least_squares, lsq_linear
 
 import lightning_adaptiveload.calibration.derive as derive
 import lightning_adaptiveload.calibration.record as record
-from lightning_adaptiveload.calibration.calibrate import ProfileSettings, derive_for
+from lightning_adaptiveload.calibration.calibrate import REPLAN_GAIN, ProfileSettings, weigh_plans
 from lightning_adaptiveload.calibration.costmodel import OFFSET_FLOOR, PARAM_NAMES, CostModel
 
 __all__ = ["REPLAN_GAIN", "Decision", "Observation", "compare", "refit"]
 
-#: Re-plan only for at least this predicted gain in tokens/s. A re-plan is not free (new batch shapes
-#: compile again under torch.compile and map new memory; a plan change mid-epoch re-deals the rest), and a
-#: smaller gain is within what the model itself gets wrong (held-out errors of 1-3% on the reference H200
-#: fits, on top of the 1% throughput tolerance the budget is chosen with).
-REPLAN_GAIN = 0.03
 #: The per-step overhead is fitted apart from the clock factor only when the observed shapes' profiled
 #: times span at least this factor; closer together the two are one unknown, and the clock factor alone
 #: (the documented effect of the power cap) is fitted.
@@ -383,22 +378,11 @@ def compare(old_cal: record.Calibration, old_derivation: derive.Derivation, new_
         observed: the observations to report measured/predicted for; ``None``: those ``new_cal`` was
             refitted with (``new_cal.extra["feedback"]``).
     """
-    derived: dict[str, Any] = {"m_mem": old_derivation.m_mem, "step_budget_s": None}
-    if old_derivation.tiers:
-        derived["tier_m_mem"] = [t["m_mem"] for t in old_derivation.tiers]
-    new = derive_for(new_cal, grids, counts, settings, derived=derived, world_size=world_size, balance=balance,
-                     seed=seed, oversize=oversize, sp_degree=sp_degree, samples=samples)
-    new_tiers = _tiers(new_cal)
-    price = derive.price_model(new_cal.cost_model, new_tiers)
-    old_pred = derive.predict_policy(old_derivation.policy, price, grids, counts, new.m_mem, world_size=world_size,
-                                     balance=balance, seed=seed)
-    old_tps, new_tps = old_pred["tokens_per_s"], new.predicted["tokens_per_s"]
+    new, old_tps, new_tps, changes = weigh_plans(old_derivation, new_cal, grids, counts, settings,
+                                                 world_size=world_size, balance=balance, seed=seed,
+                                                 oversize=oversize, sp_degree=sp_degree, samples=samples)
     gain = new_tps / old_tps - 1 if old_tps > 0 else float("inf")
-
-    seq = np.unique(np.asarray(grids, dtype=np.int64).reshape(-1, 3).prod(axis=1))
-    seq = seq[seq <= new.m_mem]
-    before, after = old_derivation.policy.batch_sizes(seq), new.policy.batch_sizes(seq)
-    changes = {int(s): (int(a), int(b)) for s, a, b in zip(seq, before, after, strict=True) if a != b}
+    new_tiers = _tiers(new_cal)
 
     if observed is None:
         observed = [Observation.from_dict(d) for d in (new_cal.extra.get("feedback") or {}).get("observations", [])]
