@@ -42,8 +42,10 @@ from lightning_adaptiveload.calibration.profile import (
     MemoryProbe,
     Shape,
     distinct_lengths,
+    is_out_of_memory,
     plan_grid,
     profile,
+    sustained,
 )
 
 __all__ = [
@@ -58,6 +60,13 @@ __all__ = [
 #: is within what the model itself gets wrong (held-out errors of 1-3% on the reference H200 fits, on top of the
 #: 1% throughput tolerance the budget is chosen with).
 REPLAN_GAIN = 0.03
+#: ``sustain_s=None`` on a device with measured memory (a GPU): seconds of back-to-back steps before the profile
+#: times its longest shape again under sustained load (:func:`~lightning_adaptiveload.calibration.profile.sustained`).
+#: On one H100 at its 700 W cap the clock settled within about 3 s of continuous training.
+SUSTAIN_S = 5.0
+#: A sustained step this much slower than the same shape's profiled one scales every profiled time (a clock the
+#: power cap lowers slows every shape alike); below it the difference is within a profile's repeat spread.
+SUSTAIN_MIN_REL = 0.02
 #: Version of :func:`checkpoint_state`; a state of another version is ignored (the run profiles or reads the cache).
 STATE_VERSION = 2
 #: A profile is too noisy to cache as final when its fit's held-out median error, or the median over shapes
@@ -92,6 +101,7 @@ class ProfileSettings:
     memory_margin: float = 0.1
     step_budget_s: float | None = None
     m_mem: int | None = None
+    sustain_s: float | None = None
     owner: InitVar[str] = "ProfileSettings"
 
     def __post_init__(self, owner: str) -> None:
@@ -112,6 +122,8 @@ class ProfileSettings:
             put("step_budget_s", check_positive(owner, "step_budget_s", self.step_budget_s))
         if self.m_mem is not None:
             put("m_mem", int(check_positive(owner, "m_mem", self.m_mem, integer=True)))
+        if self.sustain_s is not None:
+            put("sustain_s", float(check_positive(owner, "sustain_s", self.sustain_s, zero=True)))
         for name in ("stable_rel", "converge_rel", "memory_margin"):
             value = getattr(self, name)
             if check_positive(owner, name, value, zero=True) >= 1:
@@ -490,6 +502,8 @@ def profile_modes(grids: np.ndarray, settings: ProfileSettings, trainee: Trainee
             if len(remaining) and k + 1 < len(modes):
                 say(f"{len(np.unique(remaining.prod(axis=1)))} sequence lengths above S={fit_s:,} do not fit in "
                     f"'{mode}'; trying '{modes[k + 1]}'")
+        by_mode, sustained_record = _sustain(trainee, by_mode, sustain_seconds(settings, trainee), settings.repeats,
+                                             say, warn)
     measurements = [m for _, ms in by_mode for m in ms]
     base_mode, base = max(by_mode, key=lambda mm: sum(m.status == "ok" for m in mm[1]))
     # Every corpus and profiled length, so the models price each bucket at its own attention tokens.
@@ -502,6 +516,8 @@ def profile_modes(grids: np.ndarray, settings: ProfileSettings, trainee: Trainee
     for note in notes:
         warn(note)
     extra: dict[str, Any] = {}
+    if sustained_record is not None:
+        extra["sustained"] = sustained_record
     if trainee.modes:
         tiers = derive.fit_tiers(by_mode, cost_model, memory_model, limit, base_mode)  # type: ignore[arg-type]
         if not tiers:
@@ -535,6 +551,53 @@ def _spread(grids: np.ndarray, max_shapes: int) -> list[tuple[int, int, int]]:
         idx = np.unique(np.round(np.linspace(0, len(reps) - 1, max_shapes)).astype(int))
         reps = [reps[i] for i in idx]
     return reps  # type: ignore[return-value]
+
+
+def sustain_seconds(settings: ProfileSettings, trainee: Trainee) -> float:
+    """``settings.sustain_s``, or where it is ``None`` :data:`SUSTAIN_S` on a device whose memory is measured (a GPU)
+    and 0 (no sustained timing) elsewhere."""
+    if settings.sustain_s is not None:
+        return settings.sustain_s
+    return SUSTAIN_S if trainee.device_memory is not None else 0.0
+
+
+def _sustain(trainee: Trainee, by_mode: list[tuple[str | None, list[Measurement]]], settle_s: float, repeats: int,
+             say: Callable[[str], None], warn: Callable[[str], None]
+             ) -> tuple[list[tuple[str | None, list[Measurement]]], dict[str, Any] | None]:
+    """Time the profile's longest step again under sustained load (``settle_s`` seconds of back-to-back steps); where
+    it is :data:`SUSTAIN_MIN_REL` or more slower than profiled, scale every profiled time by the ratio. Returns the
+    measurements and the record kept in ``extra["sustained"]`` (``None``: not measured)."""
+    ok = [(mode, m) for mode, ms in by_mode for m in ms if m.status == "ok"]
+    if settle_s <= 0 or not ok:
+        return by_mode, None
+    mode, ref = max(ok, key=lambda mm: mm[1].time_s)
+    if mode is not None:
+        trainee.set_mode(mode)  # type: ignore[misc]
+    try:
+        t, seconds, untimed = sustained(trainee.make_step, Shape(ref.batch_size, ref.grid), settle_s=settle_s,
+                                        repeats=repeats, collectives=trainee.collectives,
+                                        synchronize=trainee.synchronize)
+    except Exception as err:  # noqa: BLE001 - only out-of-memory is recovered, the rest re-raised
+        if not is_out_of_memory(err):
+            raise
+        if trainee.on_oom is not None:
+            trainee.on_oom()
+        warn(f"timing B={ref.batch_size} S={ref.seq_len:,} under sustained load ran out of memory; the profile's "
+             "times are kept as measured (the closed loop corrects them from training's steps).")
+        return by_mode, None
+    factor = t / float(ref.time_s)
+    applied = factor >= 1 + SUSTAIN_MIN_REL
+    record_ = {"batch_size": ref.batch_size, "seq_len": ref.seq_len, "mode": mode, "profiled_s": ref.time_s,
+               "sustained_s": t, "factor": factor, "applied": applied, "seconds": seconds, "untimed_steps": untimed}
+    what = (f"every profiled step time x{factor:.3f}" if applied
+            else f"within {SUSTAIN_MIN_REL:.0%}: the profiled times are kept")
+    say(f"sustained load: B={ref.batch_size} S={ref.seq_len:,} took {t * 1e3:.1f} ms a step after {untimed} back-to-back "
+        f"steps against {ref.time_s * 1e3:.1f} ms in its profile; {what} ({seconds:.1f} s)")
+    if not applied:
+        return by_mode, record_
+    scaled = [(m_, [dataclasses.replace(m, time_s=m.time_s * factor) if m.status == "ok" else m for m in ms])
+              for m_, ms in by_mode]
+    return scaled, record_
 
 
 def _measure_longest_fit(grids: np.ndarray, meas: list[Measurement], run: Callable[..., list[Measurement]],

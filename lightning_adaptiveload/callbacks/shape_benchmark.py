@@ -58,8 +58,8 @@ def _monitor(trainer: Trainer) -> BalanceMonitor | None:
 #: How profiling chooses shapes and what its memory model holds; part of the calibration key, so a
 #: calibration from an earlier profiler is profiled again rather than reused. 3: activation
 #: checkpointing per bucket, memory caps from the first pass on, two batch sizes per S with a
-#: convergence stop.
-PROFILE_VERSION = 3
+#: convergence stop. 4: on a GPU the longest shape is timed again under sustained load, which can scale every time.
+PROFILE_VERSION = 4
 
 
 class ShapeBenchmarkCallback(Callback):
@@ -115,6 +115,10 @@ class ShapeBenchmarkCallback(Callback):
         step_budget_s: Step budget in seconds; ``None`` picks the one with the highest predicted throughput.
         m_mem: Token budget per batch; ``None`` derives it from measured peak memory (CUDA) or the
             largest profiled batch (CPU). With a fixed ``m_mem``, samples above it are never profiled.
+        sustain_s: Seconds of back-to-back steps of the profile's longest shape before it is timed again under
+            sustained load, at the end of the profile; a step 2% or more slower than profiled scales every profiled
+            time (a power-capped GPU runs the profile's short bursts at a higher clock than training sustains).
+            ``None``: 5 s on a GPU, 0 (off) on CPU.
         cache_dir: Directory of the calibration cache; ``None`` disables the cache.
         calibration: A calibration JSON to use instead of profiling (e.g. a previous ``shape_benchmark.json``).
         force: Profile even when the cache or a checkpoint holds a matching calibration.
@@ -152,6 +156,7 @@ class ShapeBenchmarkCallback(Callback):
         memory_margin: float = 0.1,
         step_budget_s: float | None = None,
         m_mem: int | None = None,
+        sustain_s: float | None = None,
         cache_dir: str | os.PathLike | None = None,
         calibration: str | os.PathLike | None = None,
         force: bool = False,
@@ -165,7 +170,8 @@ class ShapeBenchmarkCallback(Callback):
         self.settings = ProfileSettings(
             batch_sizes=batch_sizes, max_shapes=max_shapes, repeats=repeats, stable_rel=stable_rel, warmup=warmup,
             shape_time_s=shape_time_s, time_budget_s=time_budget_s, converge_rel=converge_rel, form=form,
-            memory_margin=memory_margin, step_budget_s=step_budget_s, m_mem=m_mem, owner=type(self).__name__)
+            memory_margin=memory_margin, step_budget_s=step_budget_s, m_mem=m_mem, sustain_s=sustain_s,
+            owner=type(self).__name__)
         self.cache_dir = None if cache_dir is None else Path(cache_dir).expanduser()
         self.calibration_path = None if calibration is None else Path(calibration).expanduser()
         self.force = force

@@ -10,12 +10,15 @@ import pytest
 
 from lightning_adaptiveload.calibration import derive, record
 from lightning_adaptiveload.calibration.calibrate import (
+    SUSTAIN_S,
     ProfileSettings,
     Trainee,
     calibrate,
     checkpoint_state,
     derive_for,
     key_diff,
+    profile_modes,
+    sustain_seconds,
     too_noisy,
 )
 from lightning_adaptiveload.calibration.costmodel import CostModel
@@ -239,3 +242,72 @@ def test_a_corrected_calibration_replaces_the_cache_entry_and_says_so(monkeypatc
     # write_cache(provenance=...) stamps a record's provenance as it writes it.
     record.write_cache(tmp_path, first.calibration, provenance={"source": "profiled", "provisional": "a test"})
     assert record.describe_provenance(record.read_cache(tmp_path, KEY)) == "profiled, provisional (a test)"
+
+
+class PowerCappedDevice:
+    """A fake GPU at its power cap: a step starting after an idle gap (the profile compiles each shape first) runs at
+    the burst clock, and ``slow`` times longer once the device has been busy for ``settle`` seconds without one."""
+
+    def __init__(self, clock, seconds, slow=1.15, settle=1.0, compile_s=2.0):
+        self.clock, self.seconds, self.slow, self.settle, self.compile_s = clock, seconds, slow, settle, compile_s
+        self.busy_since = self.last_end = -1e9
+
+    def make_step(self, b, grid):
+        self.clock.t += self.compile_s  # compiling: the device idles
+        s = int(np.prod(grid))
+
+        def step():
+            if self.clock.t - self.last_end > 0.1:
+                self.busy_since = self.clock.t
+            hot = self.clock.t - self.busy_since >= self.settle
+            self.clock.t += self.seconds(b, s) * (self.slow if hot else 1.0)
+            self.last_end = self.clock.t
+
+        return step
+
+
+def _profile_capped(monkeypatch, sustain_s, slow=1.15):
+    clock = FakeClock()
+    monkeypatch.setattr(time, "perf_counter", clock)
+    device = PowerCappedDevice(clock, lambda b, s: float(QUIET.predict(b, s)), slow=slow)
+    said = []
+    settings = ProfileSettings(repeats=3, warmup=0, converge_rel=0.0, stable_rel=0.0, sustain_s=sustain_s)
+    cal = profile_modes(MIXED, settings, Trainee(device.make_step), dict(KEY), say=said.append)
+    return cal, said
+
+
+def test_a_power_capped_device_is_timed_under_sustained_load_and_every_profiled_time_scaled(monkeypatch):
+    burst, _ = _profile_capped(monkeypatch, 0.0)
+    assert "sustained" not in burst.extra
+    ok = [m for m in burst.measurements if m.status == "ok"]
+    # The profile's bursts: every shape at the idle device's clock.
+    assert all(m.time_s == pytest.approx(float(QUIET.predict(m.batch_size, m.seq_len))) for m in ok)
+    cal, said = _profile_capped(monkeypatch, 5.0)
+    rec = cal.extra["sustained"]
+    longest = max(ok, key=lambda m: m.time_s)
+    assert (rec["batch_size"], rec["seq_len"]) == (longest.batch_size, longest.seq_len)
+    assert rec["applied"] and rec["factor"] == pytest.approx(1.15) and rec["untimed_steps"] >= 2
+    assert rec["seconds"] >= 5.0
+    for m in (m for m in cal.measurements if m.status == "ok"):
+        assert m.time_s == pytest.approx(1.15 * float(QUIET.predict(m.batch_size, m.seq_len)))
+    seq = MIXED.prod(axis=1)
+    assert np.allclose(cal.cost_model.predict(2, seq), 1.15 * QUIET.predict(2, seq), rtol=1e-3)
+    (line,) = [x for x in said if x.startswith("sustained load:")]
+    assert f"B={longest.batch_size} S={longest.seq_len:,}" in line and "every profiled step time x1.150" in line
+
+
+def test_a_device_without_a_cap_keeps_its_profiled_times(monkeypatch):
+    cal, said = _profile_capped(monkeypatch, 5.0, slow=1.01)  # within SUSTAIN_MIN_REL: the repeat spread
+    rec = cal.extra["sustained"]
+    assert not rec["applied"] and rec["factor"] == pytest.approx(1.01)
+    ok = [m for m in cal.measurements if m.status == "ok"]
+    assert all(m.time_s == pytest.approx(float(QUIET.predict(m.batch_size, m.seq_len))) for m in ok)
+    assert any("within 2%: the profiled times are kept" in x for x in said)
+
+
+def test_sustained_timing_is_on_for_a_gpu_by_default_and_its_setting_is_checked():
+    assert sustain_seconds(ProfileSettings(), Trainee(lambda b, g: None)) == 0.0  # CPU: no power cap to settle
+    assert sustain_seconds(ProfileSettings(), Trainee(lambda b, g: None, device_memory=80 * 2**30)) == SUSTAIN_S
+    assert sustain_seconds(ProfileSettings(sustain_s=0), Trainee(lambda b, g: None, device_memory=1)) == 0.0
+    with pytest.raises(ValueError, match="sustain_s"):
+        ProfileSettings(sustain_s=-1.0)
