@@ -330,15 +330,14 @@ def trained_plan(cal: record.Calibration, grids: np.ndarray, counts: np.ndarray,
 
     A correction refits the cost model from the step times of the plan that ran; the policy derived afresh
     from it can differ from that plan on a gain the correction cannot vouch for (batch sizes it never timed).
-    So a later run weighs the two as the closed loop does within a run
-    (:func:`~lightning_adaptiveload.calibration.feedback.compare`): it trains the measured plan again (its
-    calibration and budgets, as on resume) unless the new policy predicts at least
-    :data:`~lightning_adaptiveload.calibration.feedback.REPLAN_GAIN` more tokens/s under the corrected model;
-    the corrected model still prices its steps (:attr:`CalibrationResult.predict_with`).
+    So a later run weighs the two as the closed loop does within a run (:func:`weigh_plans`): it trains the
+    measured plan again (its calibration and budgets, as on resume) unless the new policy predicts at least
+    :data:`REPLAN_GAIN` more tokens/s under the corrected model, and then trains the new one (with the measured
+    plan's memory budgets, as a re-plan does); a kept plan's steps are still priced by the corrected model
+    (:attr:`CalibrationResult.predict_with`).
 
     Returns ``None`` (derive from ``cal`` as usual) where ``cal`` records no trained plan (a profile, an
-    older record), the new policy wins, or the settings pin budgets the trained plan did not use
-    (``m_mem``, ``step_budget_s``).
+    older record) or the settings pin budgets the trained plan did not use (``m_mem``, ``step_budget_s``).
     """
     state = read_checkpoint_state((cal.extra.get("feedback") or {}).get("trained"))
     if state is None or settings.step_budget_s is not None:
@@ -356,8 +355,8 @@ def trained_plan(cal: record.Calibration, grids: np.ndarray, counts: np.ndarray,
     gain = new_tps / old_tps - 1 if old_tps > 0 else float("inf")
     if gain >= REPLAN_GAIN and changes:
         say(f"the cached calibration's new plan predicts {gain:+.1%} tokens/s over the plan its run "
-            f"measured (re-plan from {REPLAN_GAIN:.0%}): deriving it")
-        return None
+            f"measured (re-plan from {REPLAN_GAIN:.0%}): training it")
+        return CalibrationResult(cal, new, "cache", False)  # already derived: not a second time in calibrate
     say(f"training the plan the cached calibration's run measured: a new plan predicts {gain:+.1%} "
         f"tokens/s under the corrected model (re-plan from {REPLAN_GAIN:.0%}); {old_tps:,.0f} predicted tokens/s")
     return CalibrationResult(trained, running, "cache", False, predict_with=new.cost_model or cal.cost_model)

@@ -330,7 +330,8 @@ def test_a_cached_correction_whose_new_plan_pays_derives_it(tmp_path):
     result = _from_cache(tmp_path, "none", said)
     assert result.predict_with is None and result.calibration.extra["provenance"]["source"] == "corrected"
     assert np.array_equal(result.derivation.policy.batch_sizes(SEQ), decision.derivation.policy.batch_sizes(SEQ))
-    assert any(f"new plan predicts {decision.gain:+.1%} tokens/s over the plan its run measured" in x for x in said)
+    assert any(f"new plan predicts {decision.gain:+.1%} tokens/s over the plan its run measured" in x
+               and x.endswith("training it") for x in said)
 
 
 def test_a_cached_correction_serves_settings_its_plan_did_not_train_with_as_a_fresh_derivation(tmp_path):
