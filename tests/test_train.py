@@ -255,6 +255,21 @@ def test_console_script_runs(tmp_path):
     assert re.search(r"│\s+0 │", report) and re.search(r"│\s+1 │", report)
 
 
+def test_a_finished_run_destroys_its_process_group(monkeypatch):
+    # A group left to the interpreter's exit once aborted a gloo rank after its run had succeeded (exit -6).
+    from gloo_ranks import free_port
+
+    from lightning_adaptiveload.cli import train as cli
+
+    def fit(cfg):
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        return {}
+
+    monkeypatch.setattr(cli, "train", fit)
+    cli._hydra_main(OmegaConf.create({}))
+    assert not torch.distributed.is_initialized()
+
+
 def test_sequence_parallel_degree_is_checked_before_training(tmp_path):
     cfg = _compose(["data.sequence_parallel.enabled=true", "data.sequence_parallel.degrees=[3]"], tmp_path)
     # The tiny model has 4 heads and a node 8 ranks: 3 divides neither.

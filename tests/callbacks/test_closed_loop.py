@@ -467,6 +467,8 @@ rank = dm.trainer.global_rank
 Path({out!r} + f".{{rank}}").write_text(json.dumps(
     {{"computed": len(calls), "decisions": [[step, d.replan, at] for step, d, at in bench.decisions],
       "source": bench.source, "segments": dm.sampler.state_dict()["segments"]}}, default=str))
+from lightning_adaptiveload.cli.train import release_process_group
+release_process_group()
 """
 
 
