@@ -194,9 +194,10 @@ def figures() -> dict[str, str]:
     f["closed_loop.epoch_error"] = f"{abs(cl['predicted_over_measured_epoch'] - 1):.1%}"
     f["closed_loop.on"] = f"{cl['on']['tokens_per_s']:,.0f}"
     f["closed_loop.off"] = f"{cl['off']['tokens_per_s']:,.0f}"
-    # A record marked ``disturbed`` (another job ran beside it unlabelled) is kept as data, not cited.
-    cited = [r for r in read_records(RESULTS / "quickstart_cpu.json")
-             if "ratio_per_pair" in r["result"] and not r["result"].get("disturbed")]
+    # A record marked ``disturbed`` (another job ran beside it unlabelled) or ``reverted`` (it measured a change
+    # that did not stay) is kept as data, not cited.
+    cited = [r for r in read_records(RESULTS / "quickstart_cpu.json") if "ratio_per_pair" in r["result"]
+             and not r["result"].get("disturbed") and not r["result"].get("reverted")]
     runs = [r["result"] for r in cited]
     pooled = [r["result"] for r in cited if r["date"] >= QUICKSTART_POOLED_SINCE]
     for name, loaded in (("quickstart", False), ("quickstart_load", True)):  # the last quiet / loaded record
@@ -342,6 +343,8 @@ def quickstart() -> str:
         machine = "beside a CPU-bound job" if res.get("load") else "quiet"
         if res.get("disturbed"):
             machine = "disturbed (see the record)"
+        if res.get("reverted"):
+            machine += ", a change since reverted (see the record)"
         gain = "–"
         if res.get("gain_over_equal_token_corrected_median") is not None:
             gain = f"{res['gain_over_equal_token_corrected_median']:+.1%}"

@@ -79,11 +79,9 @@ _FIELDS = ("step_time", "forward_time", "compute", "tokens", "peak_mem", "flops"
 # Per batch shape, the training step times kept for `observations` (their medians; the most recent ones).
 _SHAPE_SAMPLES = 256
 #: A rank's batch is taken to bound the step when its predicted compute is at least this fraction of the
-#: step's largest. A lighter rank waits for the heaviest at the gradient all-reduce, so its step time is the
-#: heaviest batch's: observed as its own shape's, it overstates that shape's cost by up to 1 / this fraction.
-#: At 0.9 a 51 x 72 remainder beside a batch predicted 8% heavier ran 1.05-1.07x its corrected prediction on the
-#: CPU quickstart, and the refit it fed put the 56 x 72 batches at 0.93-0.96x.
-_BOUNDING = 0.97
+#: step's largest: the cost-balanced sampler groups each step's batches to within a few percent, so the
+#: ranks of a balanced step all count, and a rank far below the others (a remainder batch) does not.
+_BOUNDING = 0.9
 TIMINGS = ("auto", "events", "synchronize")
 
 
