@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import multiprocessing
 import os
 import re
@@ -111,7 +112,9 @@ def run_train(kind: str, extra: list[str], work: Path, cache: Path, timeout: int
             # profile too noisy to keep is cached as provisional, so the next run profiles again.
             "calibration_source": source[1] if source else None, "profiled": bool(source) and source[1] == "profiled",
             "provisional": "too noisy to keep" in log, "decisions": decisions, "overrides": args[3:],
-            "per_shape": [{k: r[k] for k in ("B", "S", "steps", "measured_over_predicted") if k in r}
+            # measured/predicted is None for a shape that bounded fewer than 3 steps (it waited for heavier batches).
+            "per_shape": [{k: None if isinstance(r[k], float) and math.isnan(r[k]) else r[k]
+                           for k in ("B", "S", "steps", "bound_steps", "measured_over_predicted") if k in r}
                           for r in metrics.get("per_shape", [])],
             # Every counted step (the slowest rank's time and data wait, ms), to find where two arms differ.
             "step_ms": [round(r["step_s"] * 1e3, 2) for r in metrics.get("steps", [])],

@@ -301,7 +301,8 @@ def _backend(run: dict) -> str:
 
 
 def _band(per_shape: list[dict], min_steps: int) -> str:
-    r = [p["measured_over_predicted"] for p in per_shape if p["steps"] >= min_steps]
+    r = [p["measured_over_predicted"] for p in per_shape
+         if p["steps"] >= min_steps and p["measured_over_predicted"] is not None]
     return f"{min(r):.2f}–{max(r):.2f} ({len(r)})" if r else "–"
 
 
@@ -316,7 +317,8 @@ def closed_loop() -> str:
         res, off, on = rec["result"], rec["result"]["off"], rec["result"]["on"]
         steps = next(o.split("=")[1] for o in res["overrides"] if o.startswith("trainer.max_steps="))
         mfu = {k: f" ({r['mfu']:.1%})" if r.get("mfu") else "" for k, r in (("off", off), ("on", on))}
-        few = [p["measured_over_predicted"] for p in on["per_shape"] if p["steps"] < 3]
+        few = [p["measured_over_predicted"] for p in on["per_shape"]
+               if p["steps"] < 3 and p["measured_over_predicted"] is not None]
         few_s = f"{min(few):.2f}–{max(few):.2f} ({len(few)})" if few else "–"
         ratio = f"{res['on_over_off_tokens_per_s']:.3f}" + (f", {on['mfu'] / off['mfu']:.3f}" if off.get("mfu") else "")
         # Where both runs profile, both have compiled every shape before step 1; a run from the cache compiles
@@ -350,7 +352,9 @@ def quickstart() -> str:
             gain = f"{res['gain_over_equal_token_corrected_median']:+.1%}"
             if res.get("gain_over_equal_token_predicted_median") is not None:
                 gain += f" ({res['gain_over_equal_token_predicted_median']:+.1%})"
-        bands = [[p["measured_over_predicted"] for p in r["per_shape"] if p["steps"] >= 3]
+        # (None: a shape that bounded fewer than 3 steps, so it has no time of its own)
+        bands = [[p["measured_over_predicted"] for p in r["per_shape"]
+                  if p["steps"] >= 3 and p["measured_over_predicted"] is not None]
                  for r in res.get("runs", []) if r["kind"] == "quickstart"]
         worst = max((b for b in bands if b), key=lambda b: max(abs(x - 1) for x in b), default=None)
         worst_s = f"{min(worst):.2f}–{max(worst):.2f}" if worst else "–"

@@ -7,7 +7,7 @@ console report. Functions of the totals the monitor hands them, with no state of
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,24 +22,30 @@ def wait_fraction(wait: Any, step_time: Any) -> np.ndarray:
 
 
 def per_shape(shape_sums: Mapping[tuple[int, int], np.ndarray],
-              shape_cycles: Mapping[tuple[int, int], deque[float]], cost_model: CostPredictor | None,
-              peak_tflops: float | None) -> list[dict[str, float]]:
+              shape_cycles: Mapping[tuple[int, int], deque[float]], shape_counts: Mapping[tuple[int, int], int],
+              sp_shapes: Collection[tuple[int, int]], cost_model: CostPredictor | None, peak_tflops: float | None,
+              min_bound_steps: int = 3) -> list[dict[str, float]]:
     """The rows of :meth:`BalanceMonitor.per_shape
     <lightning_adaptiveload.callbacks.balance_monitor.BalanceMonitor.per_shape>` (see there), from the
     monitor's per-shape sums (``[steps, step time, predicted compute, FLOPs, device allocations, slowest
-    step]``) and step-plus-wait samples, the cost model it predicts with and the device's peak."""
+    step]``), step-plus-wait samples and their counts, its sequence-parallel shapes (never observed: priced by
+    their mean predicted compute), the cost model it predicts with and the device's peak. With a cost model, a
+    data-parallel shape that bounded fewer than ``min_bound_steps`` steps has no measured/predicted (NaN): its
+    steps' times were the heavier batches' it waited for."""
     out = []
     for (b, s), (n, t, pred, flops, allocs, slowest) in sorted(shape_sums.items(),
                                                                 key=lambda kv: (-kv[0][1], -kv[0][0])):
-        row = {"B": b, "S": s, "steps": int(n), "step_s": t / n, "predicted": pred / n,
+        bound = int(shape_counts.get((b, s), 0))
+        row = {"B": b, "S": s, "steps": int(n), "bound_steps": bound, "step_s": t / n, "predicted": pred / n,
                "measured_over_predicted": t / pred if pred > 0 else float("nan"), "tokens_per_s": n * b * s / t,
                "slowest_step_s": slowest, "device_allocs": int(allocs)}
         cycles = shape_cycles.get((b, s))
         if cycles:
             row["cycle_s"] = float(np.median(cycles))
-            if cost_model is not None:
-                row["predicted"] = float(cost_model.predict(b, s))
-                row["measured_over_predicted"] = row["cycle_s"] / row["predicted"]
+        if cost_model is not None and (b, s) not in sp_shapes:
+            row["predicted"] = float(cost_model.predict(b, s))
+            row["measured_over_predicted"] = (row["cycle_s"] / row["predicted"] if cycles and bound >= min_bound_steps
+                                              else float("nan"))
         if flops > 0 and peak_tflops:
             row["mfu"] = flops / t / 1e12 / peak_tflops
         out.append(row)
@@ -111,12 +117,14 @@ def print_report(*, steps: int, warmup_steps: int, per_rank_sum: np.ndarray, pea
     if len(shapes) > 1 or has_cost_model:
         unit = "s" if has_cost_model else f"B·S^{p:g}"
         by_shape = Table(title="Per batch shape (rank 0)")
-        for col in ("B", "S", "steps", "mean step s", "step + wait s", f"predicted {unit}", "measured / predicted",
-                    "tokens/s", "MFU"):
+        # "steps (bound)": rank 0's steps of the shape (the steps of any rank where it bounded the step)
+        for col in ("B", "S", "steps (bound)", "mean step s", "step + wait s", f"predicted {unit}",
+                    "measured / predicted", "tokens/s", "MFU"):
             by_shape.add_column(col, justify="right")
         for row in shapes:
             ratio = row["measured_over_predicted"] if has_cost_model else float("nan")
-            by_shape.add_row(str(row["B"]), f"{row['S']:,}", str(row["steps"]), f"{row['step_s']:.4f}",
+            by_shape.add_row(str(row["B"]), f"{row['S']:,}", f"{row['steps']} ({row['bound_steps']})",
+                             f"{row['step_s']:.4f}",
                              f"{row['cycle_s']:.4f}" if "cycle_s" in row else "-", f"{row['predicted']:.4g}", "-" if np.isnan(ratio) else f"{ratio:.3f}",
                              f"{row['tokens_per_s']:,.0f}", f"{row['mfu']:.1%}" if "mfu" in row else "-")
         console.print(by_shape)

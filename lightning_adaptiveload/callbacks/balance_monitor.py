@@ -263,6 +263,7 @@ class BalanceMonitor(Callback):
         # step plus the wait before it; the slowest rank of the step that had the shape), the last few.
         self._shape_cycles: dict[tuple[int, int], deque[float]] = {}
         self._shape_counts: dict[tuple[int, int], int] = {}
+        self._sp_shapes: set[tuple[int, int]] = set()  # this rank's sequence-parallel batch shapes (not observed)
         # Per counted step, the slowest rank's time outside forward + backward: see `overhead_s`.
         self._overheads: deque[float] = deque(maxlen=_SHAPE_SAMPLES)
 
@@ -498,6 +499,8 @@ class BalanceMonitor(Callback):
             sums[:5] += (1.0, step_time, float(step.row[2]), step.flops, step.device_allocs)
             sums[5] = max(sums[5], step_time)
             self._shape_sums[key] = sums
+            if step.row[12] == 0:
+                self._sp_shapes.add(key)
             self._observe(rows)
         if log and (step.batch_idx + 1) % self.log_every_n_steps == 0:
             # CPU tensors: Lightning would copy floats to the device, which waits for the device.
@@ -635,12 +638,15 @@ class BalanceMonitor(Callback):
                  "S": int(rows[0, col["seq_len"]])} for rows in self.history]
 
     def per_shape(self) -> list[dict[str, float]]:
-        """This rank's counted steps per batch shape, largest S first: ``B``, ``S``, ``steps``, mean
-        ``step_s``, ``cycle_s`` (what a step of the shape cost training: the median over all ranks of the
-        step plus the wait before it, see :meth:`observations`), ``predicted`` (the current cost model's
+        """This rank's counted steps per batch shape, largest S first: ``B``, ``S``, ``steps``,
+        ``bound_steps`` (steps of any rank in which a batch of the shape bounded the step, see
+        :meth:`observations`), mean ``step_s``, ``cycle_s`` (what a step of the shape cost training: the median
+        over those steps of the step plus the wait before it), ``predicted`` (the current cost model's
         seconds for the shape; its mean compute over the steps without a cost model or for a
-        sequence-parallel shape), ``measured_over_predicted`` (``cycle_s`` over ``predicted``; mean step time
-        over mean prediction where there is no ``cycle_s``), ``tokens_per_s``, ``mfu`` (when the module counts
+        sequence-parallel shape), ``measured_over_predicted`` (``cycle_s`` over ``predicted``; NaN with a cost
+        model where the shape bounded fewer than 3 steps, as a batch that waited for a heavier one has no time
+        of its own; mean step time over mean prediction without a cost model or for a sequence-parallel
+        shape), ``tokens_per_s``, ``mfu`` (when the module counts
         FLOPs), ``slowest_step_s`` and ``device_allocs`` (the caching allocator's device allocations and frees
         during those steps: a shape whose steps map new memory is slower than its profile for that reason).
 
@@ -649,8 +655,8 @@ class BalanceMonitor(Callback):
         slower clock under sustained load) until the closed loop corrects the model
         (``ShapeBenchmarkCallback(closed_loop=True)``), after which it is the corrected model's error.
         """
-        return _balance_report.per_shape(self._shape_sums, self._shape_cycles, self._active_cost_model,
-                                         self._peak_tflops)
+        return _balance_report.per_shape(self._shape_sums, self._shape_cycles, self._shape_counts, self._sp_shapes,
+                                         self._active_cost_model, self._peak_tflops)
 
     def epoch_estimate(self, plan: Sequence[Mapping[str, Any]]) -> dict[str, float] | None:
         """Tokens/s (and MFU) of one epoch of ``plan`` at the step times this rank measured per batch shape.

@@ -613,3 +613,26 @@ def test_events_timing_hides_the_loader_behind_the_device_and_counts_what_is_lef
         assert waits[5] < 0.005
     else:
         assert waits[5] >= 0.019
+
+
+def test_a_shape_that_bounded_fewer_than_3_steps_has_no_measured_over_predicted():
+    # Two ranks: a 60 x 64 remainder that always waited for a heavier batch has no time of its own, so its
+    # steps' (its partner's) time over its own prediction would be a wrong ratio; so would a median of 2 steps.
+    from collections import deque
+
+    from lightning_adaptiveload.callbacks._balance_report import per_shape
+
+    class Linear:
+        def predict(self, b, s):
+            return 0.003 * b
+
+    sums = {key: np.array([4.0, 4 * 0.2, 4 * 0.003 * key[0], 0.0, 0.0, 0.2])
+            for key in ((64, 64), (60, 64), (56, 72), (8, 999))}
+    cycles = {(64, 64): deque([0.2] * 4), (56, 72): deque([0.2, 0.2])}
+    counts = {(64, 64): 4, (56, 72): 2}
+    rows = {(r["B"], r["S"]): r for r in per_shape(sums, cycles, counts, {(8, 999)}, Linear(), None)}
+    assert rows[64, 64]["measured_over_predicted"] == pytest.approx(0.2 / 0.192) and rows[64, 64]["bound_steps"] == 4
+    assert np.isnan(rows[60, 64]["measured_over_predicted"]) and rows[60, 64]["bound_steps"] == 0
+    assert np.isnan(rows[56, 72]["measured_over_predicted"]) and rows[56, 72]["cycle_s"] == pytest.approx(0.2)
+    # A sequence-parallel shape is never observed: its mean step over its mean predicted compute, as before.
+    assert rows[8, 999]["measured_over_predicted"] == pytest.approx(0.2 / 0.024)
