@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.seed import isolate_rng
 
 from lightning_adaptiveload.bucketing.buckets import count_buckets
@@ -165,19 +165,51 @@ def calibration_key(trainer: Trainer, pl_module: LightningModule, st: ProfileSet
     }
 
 
+#: Standard deviation of the noise an all-zero parameter holds while profiling (:func:`_no_trace`).
+ZERO_PARAMETER_NOISE = 0.02
+
+
+def zero_parameters(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(name, local tensor)`` of the module's floating parameters whose values (this rank's shard) are all zero,
+    e.g. Wan's zero-initialised output head."""
+    out = []
+    for name, p in module.named_parameters():
+        local = p.data.to_local() if hasattr(p.data, "to_local") else p.data
+        if local.is_floating_point() and local.numel() and local.device.type != "meta" and not bool(local.any()):
+            out.append((name, local))
+    return out
+
+
 @contextmanager
 def _no_trace(trainer: Trainer, pl_module: LightningModule) -> Iterator[None]:
-    """Profiling leaves no trace: RNG, buffers, train/eval modes and gradients are as they were."""
+    """Profiling leaves no trace: RNG, buffers, train/eval modes and gradients are as they were.
+
+    An all-zero parameter holds noise while profiling and is zeroed again after. A zero output layer (Wan's
+    head, as its authors initialise it) sends zero gradients to every block, so a profiled backward would
+    multiply zeros: a GPU runs that cooler, at a higher clock under its power cap, than training, whose first
+    optimizer step makes the layer non-zero. (One H100, the project's 480p recipe from scratch: the profile
+    timed 1 x 32,760 at 1.91 s, training ran it at 2.08 s; diffusers' Wan, whose init has no zero layer,
+    trained within 0.99-1.04 of its profile.)"""
     modules = list(pl_module.modules())
     training_modes = [m.training for m in modules]
     buffers = {name: b.detach().clone() for name, b in pl_module.named_buffers()}
+    zeroed = zero_parameters(pl_module)
+    if zeroed:
+        names = ", ".join(name for name, _ in zeroed[:3]) + (f" and {len(zeroed) - 3} more" if len(zeroed) > 3 else "")
+        rank_zero_info(f"{CALLBACK_NAME}: all-zero parameters ({names}) hold noise while profiling and are zeroed "
+                       "again after: through a zero layer the backward multiplies zeros, faster than training's.")
     try:
         pl_module.train()
         with isolate_rng(), torch.enable_grad():
+            with torch.no_grad():
+                for _, t in zeroed:  # their own generator: the training RNG stream stays as it was
+                    t.normal_(0.0, ZERO_PARAMETER_NOISE, generator=torch.Generator(t.device).manual_seed(0))
             yield
     finally:
         _clear_grads(trainer, pl_module)
         with torch.no_grad():
+            for _, t in zeroed:
+                t.zero_()
             for name, b in pl_module.named_buffers():
                 if name in buffers:
                     b.copy_(buffers[name])

@@ -59,7 +59,9 @@ def _monitor(trainer: Trainer) -> BalanceMonitor | None:
 #: calibration from an earlier profiler is profiled again rather than reused. 3: activation
 #: checkpointing per bucket, memory caps from the first pass on, two batch sizes per S with a
 #: convergence stop. 4: on a GPU the longest shape is timed again under sustained load, which can scale every time.
-PROFILE_VERSION = 4
+#: 5: all-zero parameters hold noise while profiling (a zero head made every profiled backward multiply zeros);
+#: the sustained-load timing is off unless ``sustain_s`` is set.
+PROFILE_VERSION = 5
 
 
 class ShapeBenchmarkCallback(Callback):
@@ -118,7 +120,7 @@ class ShapeBenchmarkCallback(Callback):
         sustain_s: Seconds of back-to-back steps of the profile's longest shape before it is timed again under
             sustained load, at the end of the profile; a step 2% or more slower than profiled scales every profiled
             time (a power-capped GPU runs the profile's short bursts at a higher clock than training sustains).
-            ``None``: 5 s on a GPU, 0 (off) on CPU.
+            ``None``: 0 (off; on one H100 5 s and 20 s of sustained load did not reach training's step time).
         cache_dir: Directory of the calibration cache; ``None`` disables the cache.
         calibration: A calibration JSON to use instead of profiling (e.g. a previous ``shape_benchmark.json``).
         force: Profile even when the cache or a checkpoint holds a matching calibration.

@@ -10,7 +10,6 @@ import pytest
 
 from lightning_adaptiveload.calibration import derive, record
 from lightning_adaptiveload.calibration.calibrate import (
-    SUSTAIN_S,
     ProfileSettings,
     Trainee,
     calibrate,
@@ -305,9 +304,10 @@ def test_a_device_without_a_cap_keeps_its_profiled_times(monkeypatch):
     assert any("within 2%: the profiled times are kept" in x for x in said)
 
 
-def test_sustained_timing_is_on_for_a_gpu_by_default_and_its_setting_is_checked():
-    assert sustain_seconds(ProfileSettings(), Trainee(lambda b, g: None)) == 0.0  # CPU: no power cap to settle
-    assert sustain_seconds(ProfileSettings(), Trainee(lambda b, g: None, device_memory=80 * 2**30)) == SUSTAIN_S
+def test_sustained_timing_is_off_by_default_and_its_setting_is_checked():
+    assert sustain_seconds(ProfileSettings(), Trainee(lambda b, g: None)) == 0.0
+    assert sustain_seconds(ProfileSettings(), Trainee(lambda b, g: None, device_memory=80 * 2**30)) == 0.0
+    assert sustain_seconds(ProfileSettings(sustain_s=5), Trainee(lambda b, g: None, device_memory=1)) == 5.0
     assert sustain_seconds(ProfileSettings(sustain_s=0), Trainee(lambda b, g: None, device_memory=1)) == 0.0
     with pytest.raises(ValueError, match="sustain_s"):
         ProfileSettings(sustain_s=-1.0)

@@ -460,6 +460,44 @@ def test_runs_through_a_wrapping_strategy(tmp_path):
     assert trainer.global_step == 2
 
 
+class ZeroHeadModule(TinyModule):
+    """A zero-initialised output layer, as Wan's head: at init every gradient before it is zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        nn.init.zeros_(self.out.weight)
+        nn.init.zeros_(self.out.bias)
+        self.proj_grads: list[float] = []
+        self.proj.weight.register_hook(lambda g: self.proj_grads.append(float(g.abs().sum())))
+
+
+def test_a_zero_layer_holds_noise_while_profiling_and_is_zero_again_after(tmp_path, monkeypatch):
+    # A profiled backward through a zero head would multiply zeros (a GPU runs that faster and cooler than
+    # training, whose first optimizer step makes the head non-zero); the weights, RNG and gradients are restored.
+    clock = FakeClock()
+    monkeypatch.setattr(time, "perf_counter", clock)
+    before, after = Snapshot(), Snapshot()
+    cb = _cb(tmp_path, shape_time_s=60.0, time_budget_s=1e9)
+    trainer = _trainer(tmp_path, before, cb, after, max_steps=1)
+    model, dm = ZeroHeadModule(), TinyDataModule()
+
+    def advance(b, s):
+        clock.offset += 0.5 + 2e-3 * b * s + 1e-5 * b * s * s
+
+    model.hook = advance
+    trainer.fit(model, datamodule=dm)
+    profiled = after.calls - before.calls
+    assert cb.profiled and profiled > 0
+    # Every profiled backward reached the first layer; training's first step (head still zero) does not.
+    assert len(model.proj_grads) == profiled + 1
+    assert all(g > 0 for g in model.proj_grads[:profiled]) and model.proj_grads[-1] == 0.0
+    for k, v in before.params.items():
+        assert torch.equal(v, after.params[k]), k
+    assert not after.params["out.weight"].any() and not after.params["out.bias"].any()
+    assert torch.equal(before.torch_rng, after.torch_rng)
+    assert all(g is None for g in after.grads)
+
+
 class TinyModuleLR(TinyModule):
     def __init__(self, lr: float = 1e-2, log_dir: str = "a") -> None:
         super().__init__()
