@@ -195,7 +195,8 @@ def _no_trace(trainer: Trainer, pl_module: LightningModule) -> Iterator[None]:
     buffers = {name: b.detach().clone() for name, b in pl_module.named_buffers()}
     zeroed = zero_parameters(pl_module)
     if zeroed:
-        names = ", ".join(name for name, _ in zeroed[:3]) + (f" and {len(zeroed) - 3} more" if len(zeroed) > 3 else "")
+        largest = sorted(zeroed, key=lambda item: -item[1].numel())  # a zero weight says more than a zero bias
+        names = ", ".join(name for name, _ in largest[:3]) + (f" and {len(zeroed) - 3} more" if len(zeroed) > 3 else "")
         rank_zero_info(f"{CALLBACK_NAME}: all-zero parameters ({names}) hold noise while profiling and are zeroed "
                        "again after: through a zero layer the backward multiplies zeros, faster than training's.")
     try:
