@@ -508,28 +508,22 @@ class BalanceMonitor(Callback):
                                on_epoch=False, rank_zero_only=True)
 
     def _observe(self, rows: np.ndarray) -> None:
-        """Per data-parallel batch shape of the step, the slowest rank's step plus the wait before it, times
-        the shape's predicted share of the step's heaviest batch.
+        """Per data-parallel batch shape of the step, the slowest rank's step plus the wait before it.
 
         Only the shapes of the ranks whose predicted compute bounds the step (within :data:`_BOUNDING` of the
         step's largest) are observed: a rank with less work waits for the others at the gradient all-reduce,
         so its step time is theirs, not its shape's (with two ranks, a remainder batch beside a full one
-        measured 1.6x its own cost). For the same reason a bounding batch predicted lighter than the heaviest
-        is observed at the step's time scaled by its predicted share (on the CPU quickstart, unscaled, a
-        51 x 72 remainder beside a batch predicted 8% heavier ran 1.05-1.07x its corrected prediction, and the
-        refit it fed put the 56 x 72 batches at 0.93-0.96x). Without a cost model every shape is observed
-        unscaled."""
+        measured 1.6x its own cost). Without a cost model every shape is observed."""
         cycle = rows[:, 0] + rows[:, 6]
         self._overheads.append(float(rows[:, 14].max()))
         shapes = rows[:, 12:14].astype(np.int64)
         comp = rows[:, 2]
-        predicted = bool(np.isfinite(comp).all() and comp.max() > 0)
-        bounding = comp >= _BOUNDING * comp.max() if predicted else np.ones(len(rows), dtype=bool)
+        bounding = comp >= _BOUNDING * comp.max() if np.isfinite(comp).all() and comp.max() > 0 else np.ones(
+            len(rows), dtype=bool)
         for b, s in {tuple(v) for v, keep in zip(shapes.tolist(), bounding, strict=True) if v[0] > 0 and keep}:
             mine = (shapes[:, 0] == b) & (shapes[:, 1] == s) & bounding
             key = (int(b), int(s))
-            share = float(comp[mine].max() / comp.max()) if predicted else 1.0
-            self._shape_cycles.setdefault(key, deque(maxlen=_SHAPE_SAMPLES)).append(float(cycle[mine].max()) * share)
+            self._shape_cycles.setdefault(key, deque(maxlen=_SHAPE_SAMPLES)).append(float(cycle[mine].max()))
             self._shape_counts[key] = self._shape_counts.get(key, 0) + 1
 
     def observations(self, min_steps: int = 3) -> list[tuple[int, int, float, int]]:

@@ -519,13 +519,8 @@ def test_a_rank_that_waited_for_the_others_does_not_observe_its_shape():
     monitor = BalanceMonitor(print_report=False)
     for _ in range(3):
         monitor._observe(np.stack([row(256, 16, 0.11, 0.10), row(32, 16, 0.11, 0.02)]))
-    monitor._observe(np.stack([row(32, 16, 0.03, 0.02), row(30, 16, 0.031, 0.019)]))  # balanced: both count,
-    # the lighter at the step's time scaled by its predicted share (both ranks waited for the slower)
-    assert monitor.observations(min_steps=1) == [(30, 16, pytest.approx(0.031 * 0.95), 1), (32, 16, 0.03, 1),
-                                                 (256, 16, 0.11, 3)]
-    # A 51 x 72 remainder predicted 8% lighter than the 56 x 72 beside it: both ranks took 0.2 s.
-    monitor._observe(np.stack([row(56, 72, 0.2, 0.100), row(51, 72, 0.2, 0.092)]))
-    assert dict(((b, s), t) for b, s, t, _ in monitor.observations(min_steps=1))[51, 72] == pytest.approx(0.184)
+    monitor._observe(np.stack([row(32, 16, 0.03, 0.02), row(30, 16, 0.031, 0.019)]))  # balanced: both count
+    assert monitor.observations(min_steps=1) == [(30, 16, 0.031, 1), (32, 16, 0.03, 1), (256, 16, 0.11, 3)]
 
 
 class _Seen(Callback):
