@@ -97,11 +97,14 @@ def _run_summary(lines: list[str]) -> dict[str, Any]:
         train["measured_steps"] = int(m.group(1))
         if m.group(2):
             train["warmup_steps"] = int(m.group(2))
-    if m := re.search(r"tokens/s " + _NUM + r"(?: \| " + _NUM + r" model TFLOP/s per GPU, MFU " + _NUM + "%)?", flat):
+    if m := re.search(r"tokens/s " + _NUM + r"(?: \(" + _NUM + r" with the waits between steps\))?(?: \| " + _NUM
+                      + r" model TFLOP/s per GPU, MFU " + _NUM + "%)?", flat):  # fmt: skip
         train["tokens_per_s"] = _num(m.group(1))
         if m.group(2):
-            train["model_tflops_per_gpu"] = _num(m.group(2))
-            train["mfu_pct"] = _num(m.group(3))
+            train["wall_tokens_per_s"] = _num(m.group(2))
+        if m.group(3):
+            train["model_tflops_per_gpu"] = _num(m.group(3))
+            train["mfu_pct"] = _num(m.group(4))
     if m := re.search(r"GPU: SM clock " + _NUM + r" MHz, " + _NUM + " W", flat):
         train["sm_clock_mhz"], train["power_w"] = _num(m.group(1)), _num(m.group(2))
     if m := re.search(r"epoch of this plan at these step times: tokens/s " + _NUM + ", MFU " + _NUM

@@ -140,7 +140,8 @@ def print_report(*, steps: int, warmup_steps: int, per_rank_sum: np.ndarray, pea
         mfu = f" | {s['tflops_per_gpu']:.3g} model TFLOP/s per GPU" + (f", MFU {s['mfu']:.1%}" if "mfu" in s else "")
     console.print(
         f"step-time CV {s['step_time_cv']:.2%} | forward CV {s['forward_time_cv']:.2%} | "
-        f"compute CV {s['compute_cv']:.2%} | bubble {s['bubble']:.2%} | tokens/s {s['tokens_per_s']:,.0f}{mfu} | "
+        f"compute CV {s['compute_cv']:.2%} | bubble {s['bubble']:.2%} | tokens/s {s['tokens_per_s']:,.0f} "
+        f"({s['wall_tokens_per_s']:,.0f} with the waits between steps){mfu} | "
         f"data wait {s['data_wait_frac']:.2%} of step time"
         + (f" | allocator retries {int(s['alloc_retries'])}" if s.get("alloc_retries") else "")
         + (f" | device allocations {int(s['device_allocs'])}" if s.get("device_allocs") else "")

@@ -75,7 +75,7 @@ from lightning_adaptiveload.geometry import tokens_of
 
 _FIELDS = ("step_time", "forward_time", "compute", "tokens", "peak_mem", "flops", "data_wait", "alloc_retries",
            "device_allocs", "sm_clock_mhz", "power_w", "loss_finite", "batch_size", "seq_len",
-           "overhead")
+           "overhead", "epoch_gap")
 # Per batch shape, the training step times kept for `observations` (their medians; the most recent ones).
 _SHAPE_SAMPLES = 256
 #: A rank's batch is taken to bound the step when its predicted compute is at least this fraction of the
@@ -143,6 +143,12 @@ class BalanceMonitor(Callback):
     GPU's SM clock and power draw read through ``torch.cuda.clock_rate`` / ``power_draw`` (with
     ``nvidia-ml-py`` installed; the report says when they are not). At the end of fit, rank 0 prints a balance report
     (rich table, one row per rank, plus the run's means over the steps after ``warmup_steps``).
+
+    Two throughputs: ``tokens_per_s`` counts the steps' own time (the slowest rank's, from the batch's start
+    to its end), ``wall_tokens_per_s`` (in :meth:`summary` and the report) adds the waits between steps: the
+    data wait, the other callbacks, logging and the gap to each epoch's first batch (a new loader iterator and
+    the sampler's plan; ``epoch_gap`` in :attr:`history`). Validation is left out of both. Compare setups that
+    differ in their data or their epochs (batch sizes, the number of batches) by ``wall_tokens_per_s``.
 
     A step whose loss is not finite on some rank is left out of the run means, the per-shape table and
     :attr:`history`, counted (``nonfinite_loss_steps`` in :meth:`summary`) and warned about once: arithmetic
@@ -232,6 +238,8 @@ class BalanceMonitor(Callback):
         self._t_opt: float | None = None  # when the optimizer step of the current batch began
         self._t_end: float | None = None  # when the previous batch's bookkeeping ended
         self._wait = 0.0  # data wait before the current batch
+        self._epoch_gap = 0.0  # an epoch's first batch: the host time since the previous epoch's last batch
+        self._epoch_end: float | None = None  # the previous epoch's last batch's end (host), until the next batch
         self._paused = 0.0  # validation time inside the current gap (not data wait)
         self._t_val: float | None = None
         self._allocator0 = (0, 0)  # the allocator's counters at the current batch's start
@@ -251,6 +259,7 @@ class BalanceMonitor(Callback):
         self._steps = 0
         self._nonfinite_steps = 0
         self._sum_max_time = 0.0
+        self._sum_wall = 0.0  # per counted step, the slowest rank's step plus the wait and epoch gap before it
         self._sum_tokens = 0.0
         self._sum_flops = 0.0
         # Per rank: sums of the SM clock and power samples that were read, and how many were.
@@ -311,7 +320,7 @@ class BalanceMonitor(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset_totals(trainer.world_size)
-        self._pending = self._prev_end = None
+        self._pending = self._prev_end = self._t_end = self._epoch_end = None
         self._t0 = self._t_fwd = None
         self._seen = 0
         self.epoch = None
@@ -334,6 +343,10 @@ class BalanceMonitor(Callback):
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The gap to an epoch's first batch (a new loader iterator, the sampler's plan, workers starting, the
+        # epoch-end callbacks) is not data wait; it is kept apart (`epoch_gap`) and counts in `wall_tokens_per_s`.
+        # Validation inside it is left out of it as out of a wait.
+        self._epoch_end = None if self._t_end is None else self._t_end + self._paused
         self._t_end, self._paused, self._prev_end = None, 0.0, None
 
     @override
@@ -365,7 +378,8 @@ class BalanceMonitor(Callback):
         self._t0 = self._mark(pl_module.device)
         host = self._t0 if isinstance(self._t0, float) else time.perf_counter()
         self._wait = 0.0 if self._t_end is None else max(0.0, host - self._t_end - self._paused)
-        self._paused = 0.0
+        self._epoch_gap = 0.0 if self._epoch_end is None else max(0.0, host - self._epoch_end - self._paused)
+        self._paused, self._epoch_end = 0.0, None
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -417,7 +431,8 @@ class BalanceMonitor(Callback):
         self._t0 = None
         # Times (step, forward, wait, overhead) are filled in by `_finish`.
         row = [0.0, 0.0, self._predicted_compute(b, s, degree), float(b * s) / degree, float(peak), flops, 0.0,
-               retries, device_allocs, clock, power, 1.0, float(b) if degree == 1 else 0.0, float(s), 0.0]
+               retries, device_allocs, clock, power, 1.0, float(b) if degree == 1 else 0.0, float(s), 0.0,
+               self._epoch_gap]
         step = _Step(marks=marks, row=row, batch_idx=batch_idx, global_step=trainer.global_step, shape=(b, s),
                      flops=flops, device_allocs=device_allocs, host_wait=self._wait, finite=finite,
                      prev_end=self._prev_end if self._events else None)
@@ -583,6 +598,7 @@ class BalanceMonitor(Callback):
         self._peak = np.maximum(self._peak, peak)
         self._steps += 1
         self._sum_max_time += max_t
+        self._sum_wall += float((t + wait + rows[:, _FIELDS.index("epoch_gap")]).max())
         self._sum_tokens += float(tokens.sum())
         self._sum_flops += float(flops.sum())
         read = np.isfinite(clock) & np.isfinite(power)
@@ -590,13 +606,16 @@ class BalanceMonitor(Callback):
         self._gpu_samples[read] += 1
 
     def summary(self) -> dict[str, float]:
-        """Run means: per-step CVs averaged; bubble and tokens/s from totals (time-weighted)."""
+        """Run means: per-step CVs averaged; bubble and tokens/s from totals (time-weighted): ``tokens_per_s``
+        over the steps' time, ``wall_tokens_per_s`` over it plus the waits between steps (see the class)."""
         if self._steps == 0:
             return {"nonfinite_loss_steps": float(self._nonfinite_steps)} if self._nonfinite_steps else {}
         out = {k.split("/", 1)[1]: v / self._steps for k, v in self._metric_sums.items()}
         mean_time = self._per_rank_sum[:, 0].sum() / self._per_rank_sum.shape[0]
         out["bubble"] = 1.0 - mean_time / self._sum_max_time if self._sum_max_time > 0 else 0.0
         out["tokens_per_s"] = self._sum_tokens / self._sum_max_time if self._sum_max_time > 0 else 0.0
+        # What the job sees: the waits between steps (data, callbacks, logging, epoch starts) count as time.
+        out["wall_tokens_per_s"] = self._sum_tokens / self._sum_wall if self._sum_wall > 0 else 0.0
         if self._sum_flops > 0 and self._sum_max_time > 0:
             world = self._per_rank_sum.shape[0]
             out["tflops_per_gpu"] = self._sum_flops / self._sum_max_time / world / 1e12
@@ -623,12 +642,13 @@ class BalanceMonitor(Callback):
 
     def step_rows(self) -> list[dict[str, float]]:
         """The counted steps :attr:`history` still holds, oldest first, one dict each: the step's slowest rank
-        (``step_s``, its ``data_wait_s`` and ``overhead_s``, the slowest of each over ranks) and rank 0's batch
+        (``step_s``, its ``data_wait_s``, ``overhead_s`` and ``epoch_gap_s``, the slowest of each over ranks) and rank 0's batch
         shape (``B``, ``S``). Written to ``metrics.json`` by ``adaptiveload-train`` for benchmarks that look at
         single steps (a slow step after a callback's work, a clock drop)."""
         col = {name: i for i, name in enumerate(_FIELDS)}
         return [{"step_s": float(rows[:, col["step_time"]].max()), "data_wait_s": float(rows[:, col["data_wait"]].max()),
-                 "overhead_s": float(rows[:, col["overhead"]].max()), "B": int(rows[0, col["batch_size"]]),
+                 "overhead_s": float(rows[:, col["overhead"]].max()),
+                 "epoch_gap_s": float(rows[:, col["epoch_gap"]].max()), "B": int(rows[0, col["batch_size"]]),
                  "S": int(rows[0, col["seq_len"]])} for rows in self.history]
 
     def per_shape(self) -> list[dict[str, float]]:

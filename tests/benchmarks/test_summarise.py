@@ -53,6 +53,13 @@ def test_recipe_log_figures():
     assert table["rows"] == [[1, 32760, 1.8392, 46.7], [24, 1560, 0.741, 45.7]]
 
 
+def test_the_tokens_per_s_with_the_waits_between_steps_is_read_beside_the_mfu():
+    log = LOG.replace("tokens/s 21,503 | 457", "tokens/s 21,503 (20,950 with the waits\n20:12:24 between steps) | 457")
+    (run,) = load_benchmark("summarise").recipe_log(log)
+    t = run["training"]
+    assert (t["tokens_per_s"], t["wall_tokens_per_s"], t["mfu_pct"]) == (21503, 20950, 46.2)
+
+
 def test_a_log_of_several_runs_gives_one_summary_each_and_a_failed_run_its_error():
     second = "Shape benchmark (file /x/calibration.json; profiled in 102 s)\nTraceback (most recent call last):\n" \
              "RuntimeError: CUDA out of memory\n"  # fmt: skip

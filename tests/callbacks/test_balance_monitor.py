@@ -58,6 +58,8 @@ def test_single_device_metrics_and_report(tmp_path, monkeypatch, capsys):
     assert monitor.last_metrics["train/data_wait_frac"] == pytest.approx(0.7)
     assert trainer.callback_metrics["train/data_wait_frac"].item() == pytest.approx(0.7)
     assert s["data_wait_frac"] == pytest.approx(35.0 / (35.0 + 18.0))
+    # With the waits: 6 batches of 36 tokens over 6 steps of 3 s and 5 waits of 7 s.
+    assert s["wall_tokens_per_s"] == pytest.approx(6 * tokens / (18.0 + 35.0))
     out = capsys.readouterr().out
     assert "Balance report (6 steps)" in out and "3.0000" in out and "1.0000" in out
     assert "66.04%" in out and "data wait 66.04% of step time" in out
@@ -67,9 +69,9 @@ def test_gathered_rows_give_paper_metrics():
     monitor = BalanceMonitor(cost_model=SimpleNamespace(predict=lambda b, s: b * s * 1e-3))
     # two ranks: step times 1 s and 3 s, predicted compute 2 and 6, tokens 10 and 30, no FLOPs counted
     # data wait 1 s before rank 0's step and 0.5 s before rank 1's
-    # ... SM clocks 1,800 and 1,700 MHz, power 600 and 690 W
-    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 1.0, 0.0, 5.0, 1800.0, 600.0, 1.0, 2.0, 5.0, 0.0],
-                                  [3.0, 1.5, 6.0, 30.0, 2**30, 0.0, 0.5, 2.0, 1.0, 1700.0, 690.0, 1.0, 2.0, 5.0, 0.0]]))
+    # ... SM clocks 1,800 and 1,700 MHz, power 600 and 690 W; rank 0's batch is its epoch's first, 2 s late
+    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 1.0, 0.0, 5.0, 1800.0, 600.0, 1.0, 2.0, 5.0, 0.0, 2.0],
+                                  [3.0, 1.5, 6.0, 30.0, 2**30, 0.0, 0.5, 2.0, 1.0, 1700.0, 690.0, 1.0, 2.0, 5.0, 0.0, 0.0]]))
     m = monitor.last_metrics
     assert m["balance/step_time_cv"] == pytest.approx(0.5)
     assert m["balance/forward_time_cv"] == pytest.approx(0.5)
@@ -83,8 +85,8 @@ def test_gathered_rows_give_paper_metrics():
     assert m["balance/alloc_retries"] == 2.0 and m["balance/device_allocs"] == 5.0  # the most on any rank
     # The slowest clock and the highest draw over ranks.
     assert m["balance/sm_clock_mhz"] == 1700.0 and m["balance/power_w"] == 690.0
-    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1900.0, 500.0, 1.0, 2.0, 5.0, 0.0],
-                                  [3.0, 1.5, 6.0, 30.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1750.0, 650.0, 1.0, 2.0, 5.0, 0.0]]))
+    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1900.0, 500.0, 1.0, 2.0, 5.0, 0.0, 0.0],
+                                  [3.0, 1.5, 6.0, 30.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1750.0, 650.0, 1.0, 2.0, 5.0, 0.0, 0.0]]))
     assert monitor.last_metrics["train/data_wait_frac"] == pytest.approx(0.25)
     # over the run, per rank: rank 0 1 s of 3 s, rank 1 1.5 s of 7.5 s -> the larger
     s = monitor.summary()
@@ -93,18 +95,21 @@ def test_gathered_rows_give_paper_metrics():
     assert s["sm_clock_mhz"] == pytest.approx(1725.0) and s["power_w"] == pytest.approx(670.0)
     # A sample that could not be read (NaN) leaves that step's metric out and the run means unchanged.
     nan = float("nan")
-    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2000.0, 100.0, 1.0, 2.0, 5.0, 0.0],
-                                  [3.0, 1.5, 6.0, 30.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0, 0.0]]))
+    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2000.0, 100.0, 1.0, 2.0, 5.0, 0.0, 0.0],
+                                  [3.0, 1.5, 6.0, 30.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0, 0.0, 0.0]]))
     assert "balance/sm_clock_mhz" not in monitor.last_metrics
     s = monitor.summary()
     assert s["sm_clock_mhz"] == pytest.approx(1725.0)  # rank 1 over its 2 samples; rank 0's mean is 1,900
     assert s["power_w"] == pytest.approx(670.0)  # rank 0's mean is now 400 W
+    # Each step's slowest rank with its waits: 1 + 1 + 2 = 4 s (not rank 1's 3.5 s), then 4 s and 3 s.
+    assert s["tokens_per_s"] == pytest.approx(120.0 / 9.0)
+    assert s["wall_tokens_per_s"] == pytest.approx(120.0 / 11.0)
 
 
 def test_clock_and_power_are_left_out_when_not_measured():
     monitor = BalanceMonitor()
     nan = float("nan")
-    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0, 0.0]]))
+    monitor._accumulate(np.array([[1.0, 0.5, 2.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0, 0.0, 0.0]]))
     assert "balance/sm_clock_mhz" not in monitor.last_metrics and "sm_clock_mhz" not in monitor.summary()
 
 
@@ -282,6 +287,40 @@ def test_validation_between_batches_is_not_data_wait(tmp_path, timing):
     assert len(waits) == 6 and max(waits) < 0.1  # three 0.3 s validations ran between batches
 
 
+class _SlowEpochStart(Callback):
+    """Sleeps ``seconds`` at the start of every epoch but the first (a loader or sampler slow to start)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch:
+            time.sleep(self.seconds)
+
+
+@pytest.mark.parametrize("timing", ["synchronize", "events"])
+def test_the_gap_to_an_epochs_first_batch_counts_in_wall_tokens_per_s_and_not_as_data_wait(tmp_path, timing):
+    # 3 epochs of 3 batches; each later epoch starts 0.3 s late and ends with a 0.3 s validation.
+    monitor = BalanceMonitor(log_every_n_steps=1, timing=timing)
+    trainer = Trainer(default_root_dir=tmp_path, accelerator="cpu", devices=1, max_epochs=3, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      callbacks=[monitor, _SlowEpochStart(0.3)], limit_val_batches=1, num_sanity_val_steps=0)
+    loader = torch.utils.data.DataLoader(_SlowData(0.0, n=3), batch_size=None)
+    trainer.fit(_SlowValidation(), train_dataloaders=loader, val_dataloaders=loader)
+    col = {name: i for i, name in enumerate(BalanceMonitor.FIELDS)}
+    rows = np.stack([r[0] for r in monitor.history])
+    gaps, waits = rows[:, col["epoch_gap"]], rows[:, col["data_wait"]]
+    assert len(rows) == 9
+    # The first batch of epochs 2 and 3: the 0.3 s start, not the validation before it; no data wait.
+    assert [i for i, g in enumerate(gaps) if g > 0] == [3, 6]
+    assert 0.3 - 1e-3 <= gaps[3] < 0.55 and 0.3 - 1e-3 <= gaps[6] < 0.55
+    assert waits[[0, 3, 6]].tolist() == [0.0, 0.0, 0.0]
+    s = monitor.summary()
+    wall = float((rows[:, col["step_time"]] + waits + gaps).sum())
+    assert s["wall_tokens_per_s"] == pytest.approx(rows[:, col["tokens"]].sum() / wall, rel=1e-9)
+    assert s["wall_tokens_per_s"] < s["tokens_per_s"] * rows[:, col["step_time"]].sum() / (wall - 0.6 + 1e-3)
+
+
 def _sp_loader(n_batches=6, degree=2):
     # As _loader, with the batch held by an SP group of `degree` ranks (B=3, S=12).
     return torch.utils.data.DataLoader(
@@ -448,8 +487,8 @@ def test_epoch_estimate_spreads_the_epoch_over_the_ranks_and_keeps_the_bubble():
     monitor = BalanceMonitor(cost_model=SimpleNamespace(predict=lambda b, s: 1.0))
     # Two ranks, one counted step: 2 s and 4 s (bubble 1 - 3/4), B=1 x S=8 on this rank.
     nan = float("nan")  # no clock or power (CPU)
-    monitor._accumulate(np.array([[2.0, 1.0, 1.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0, 0.0],
-                                  [4.0, 1.0, 1.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0, 0.0]]))
+    monitor._accumulate(np.array([[2.0, 1.0, 1.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0, 0.0, 0.0],
+                                  [4.0, 1.0, 1.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0, 0.0, 0.0]]))
     monitor._shape_sums[(1, 8)] = np.array([1.0, 2.0, 1.0, 0.0, 0.0, 2.0])
     e = monitor.epoch_estimate([{"seq_len": 8, "batch_size": 1, "batches": 6},
                                 {"seq_len": 16, "batch_size": 1, "batches": 2, "sp_degree": 2}])
@@ -491,16 +530,17 @@ def test_history_keeps_the_last_steps_and_the_means_all_of_them():
     monitor = BalanceMonitor(history_steps=2)
     nan = float("nan")
     for t in (1.0, 2.0, 3.0, 4.0):
-        monitor._accumulate(np.array([[t, t, t, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0, 0.0]]))
+        monitor._accumulate(np.array([[t, t, t, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0, 0.0, 0.0]]))
     assert [row[0][0] for row in monitor.history] == [3.0, 4.0]
     # Two ranks' rows: a step's time and wait are its slowest rank's, its shape rank 0's.
     two = BalanceMonitor()
-    two._accumulate(np.array([[1.0, 1.0, 1.0, 10.0, 0.0, 0.0, 0.5, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0, 0.1],
-                              [3.0, 1.0, 1.0, 10.0, 0.0, 0.0, 0.2, 0.0, 0.0, nan, nan, 1.0, 4.0, 7.0, 0.3]]))
-    assert two.step_rows() == [{"step_s": 3.0, "data_wait_s": 0.5, "overhead_s": 0.3, "B": 2, "S": 5}]
+    two._accumulate(np.array([[1.0, 1.0, 1.0, 10.0, 0.0, 0.0, 0.5, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0, 0.1, 0.4],
+                              [3.0, 1.0, 1.0, 10.0, 0.0, 0.0, 0.2, 0.0, 0.0, nan, nan, 1.0, 4.0, 7.0, 0.3, 0.0]]))
+    assert two.step_rows() == [{"step_s": 3.0, "data_wait_s": 0.5, "overhead_s": 0.3, "epoch_gap_s": 0.4, "B": 2,
+                                "S": 5}]
     assert monitor.summary()["steps"] == 4.0 and monitor.summary()["tokens_per_s"] == pytest.approx(40.0 / 10.0)
     none = BalanceMonitor(history_steps=0)
-    none._accumulate(np.array([[1.0, 1.0, 1.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0, 0.0]]))
+    none._accumulate(np.array([[1.0, 1.0, 1.0, 10.0, 0.0, 0.0, 0.0, 0.0, 0.0, nan, nan, 1.0, 2.0, 5.0, 0.0, 0.0]]))
     assert len(none.history) == 0 and none.summary()["steps"] == 1.0
 
 

@@ -243,7 +243,8 @@ def test_closed_loop_confirm_must_be_a_positive_integer():
 def test_a_uniform_slowdown_corrects_predictions_but_changes_no_batch_size(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
         bench, monitor, _, dm = _fit(tmp_path, SleepModule(scale=1.3), max_steps=60)
-    assert bench.decisions and all(at is None and not d.replan for _, d, at in bench.decisions)
+    assert bench.decisions and all(at is None and not d.replan for _, d, at in bench.decisions), [
+        d.summary() for _, d, _ in bench.decisions]
     assert not dm.sampler.replans and not bench.source.startswith("corrected")
     step, decision, _ = bench.decisions[-1]
     before, after = decision.ratio_before, decision.ratio_after
