@@ -105,7 +105,7 @@ def test_every_result_record_names_its_run():
     """One file per benchmark; every record (and every CSV row) carries command, hardware, commit and date,
     and a record summarised from a raw file names that file and the commit that held it."""
     files = sorted(p.name for p in RESULTS.iterdir())
-    assert len(files) <= 25, files
+    assert len(files) <= 26, files  # one per benchmark (and the calibrations commands read)
     assert not [f for f in files if f.endswith((".log", ".txt", ".png"))], files
     for name in files:
         path = RESULTS / name
