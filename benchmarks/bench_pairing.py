@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import RESULTS, append_record, run_info  # noqa: E402
-from bench_quickstart import cpu_load  # noqa: E402
+from bench_quickstart import add_run_arguments, cpu_load  # noqa: E402
 
 from lightning_adaptiveload.callbacks.balance_monitor import BalanceMonitor  # noqa: E402
 
@@ -78,10 +78,7 @@ def run_once(work: Path, cache: Path, extra: list[str], timeout: int) -> dict[st
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--runs", type=int, default=2)
-    p.add_argument("--load", action="store_true", help="run a CPU-bound process beside the runs")
-    p.add_argument("--extra", nargs="*", default=[], help="overrides for every run (e.g. trainer.max_steps=100)")
-    p.add_argument("--timeout", type=int, default=900)
-    p.add_argument("--out", type=Path, default=RESULTS / "pairing_cpu.json")
+    add_run_arguments(p, RESULTS / "pairing_cpu.json")
     args = p.parse_args(argv)
     if args.runs < 1:
         p.error(f"--runs {args.runs}: expected a positive integer")

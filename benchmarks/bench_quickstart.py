@@ -129,13 +129,19 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x:+.1%}"
 
 
+def add_run_arguments(p: argparse.ArgumentParser, out: Path) -> None:
+    """The options of a benchmark of ``adaptiveload-train`` runs on the CPU: ``--load``, ``--extra``, ``--timeout``
+    (seconds a run) and ``--out`` (default ``out``)."""
+    p.add_argument("--load", action="store_true", help="run a CPU-bound process beside the runs")
+    p.add_argument("--extra", nargs="*", default=[], help="overrides for every run (e.g. trainer.max_steps=20)")
+    p.add_argument("--timeout", type=int, default=900)
+    p.add_argument("--out", type=Path, default=out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pairs", type=int, default=4)
-    p.add_argument("--load", action="store_true", help="run a CPU-bound process beside the runs")
-    p.add_argument("--extra", nargs="*", default=[], help="overrides for both runs (e.g. trainer.max_steps=20)")
-    p.add_argument("--timeout", type=int, default=900)
-    p.add_argument("--out", type=Path, default=RESULTS / "quickstart_cpu.json")
+    add_run_arguments(p, RESULTS / "quickstart_cpu.json")
     args = p.parse_args(argv)
     if args.pairs < 1:
         p.error(f"--pairs {args.pairs}: expected a positive integer")
