@@ -457,7 +457,9 @@ class ShapeBenchmarkCallback(Callback):
             f"{_NAME}: against equal-token batches (max_tokens={decision.derivation.m_mem:,}, dealt at random) this "
             f"plan trains at {gain:+.1%} tokens/s under the cost model corrected at step {step} "
             f"from {sum(o.steps for o in decision.observed):,} training steps{before}: two simulated epochs at the "
-            "step times training measured; `benchmarks/bench_quickstart.py` measures both runs side by side.")
+            "step times training measured, each step priced at its slowest rank's batch (where ranks share CPU cores "
+            "with other work a waiting rank frees time for the others, and the measured gain is smaller); "
+            "`benchmarks/bench_quickstart.py` measures both runs side by side.")
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
