@@ -497,7 +497,7 @@ def profile_modes(grids: np.ndarray, settings: ProfileSettings, trainee: Trainee
             if len(remaining) and k + 1 < len(modes):
                 say(f"{len(np.unique(remaining.prod(axis=1)))} sequence lengths above S={fit_s:,} do not fit in "
                     f"'{mode}'; trying '{modes[k + 1]}'")
-        by_mode, sustained_record = _sustain(trainee, by_mode, sustain_seconds(settings, trainee), settings.repeats,
+        by_mode, sustained_record = _sustain(trainee, by_mode, sustain_seconds(settings), settings.repeats,
                                              say, warn)
     measurements = [m for _, ms in by_mode for m in ms]
     base_mode, base = max(by_mode, key=lambda mm: sum(m.status == "ok" for m in mm[1]))
@@ -548,14 +548,13 @@ def _spread(grids: np.ndarray, max_shapes: int) -> list[tuple[int, int, int]]:
     return reps  # type: ignore[return-value]
 
 
-def sustain_seconds(settings: ProfileSettings, trainee: Trainee) -> float:
-    """``settings.sustain_s``; ``None`` (the default): 0, no sustained timing.
+def sustain_seconds(settings: ProfileSettings) -> float:
+    """``settings.sustain_s``; ``None`` (the default): 0, no sustained timing, on every device.
 
     Off by default: on one H100 (the 480p recipe from scratch) the longest shape took 1.85 s a step after 5 s and
     after 20 s of back-to-back steps, against 1.91 s in its profile and 2.08 s in training; the profile's gap to
     training came from the zero head (:func:`~lightning_adaptiveload.callbacks._trainee._no_trace`), not from the
     clock settling."""
-    del trainee  # the same rule on every device
     return settings.sustain_s if settings.sustain_s is not None else 0.0
 
 

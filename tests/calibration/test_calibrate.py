@@ -265,13 +265,14 @@ class PowerCappedDevice:
         return step
 
 
-def _profile_capped(monkeypatch, sustain_s, slow=1.15):
+def _profile_capped(monkeypatch, sustain_s, slow=1.15, device_memory=None):
     clock = FakeClock()
     monkeypatch.setattr(time, "perf_counter", clock)
     device = PowerCappedDevice(clock, lambda b, s: float(QUIET.predict(b, s)), slow=slow)
     said = []
     settings = ProfileSettings(repeats=3, warmup=0, converge_rel=0.0, stable_rel=0.0, sustain_s=sustain_s)
-    cal = profile_modes(MIXED, settings, Trainee(device.make_step), dict(KEY), say=said.append)
+    cal = profile_modes(MIXED, settings, Trainee(device.make_step, device_memory=device_memory), dict(KEY),
+                        say=said.append)
     return cal, said
 
 
@@ -304,10 +305,12 @@ def test_a_device_without_a_cap_keeps_its_profiled_times(monkeypatch):
     assert any("within 2%: the profiled times are kept" in x for x in said)
 
 
-def test_sustained_timing_is_off_by_default_and_its_setting_is_checked():
-    assert sustain_seconds(ProfileSettings(), Trainee(lambda b, g: None)) == 0.0
-    assert sustain_seconds(ProfileSettings(), Trainee(lambda b, g: None, device_memory=80 * 2**30)) == 0.0
-    assert sustain_seconds(ProfileSettings(sustain_s=5), Trainee(lambda b, g: None, device_memory=1)) == 5.0
-    assert sustain_seconds(ProfileSettings(sustain_s=0), Trainee(lambda b, g: None, device_memory=1)) == 0.0
+def test_sustained_timing_is_off_by_default_and_its_setting_is_checked(monkeypatch):
+    assert sustain_seconds(ProfileSettings()) == 0.0
+    assert sustain_seconds(ProfileSettings(sustain_s=5)) == 5.0
+    assert sustain_seconds(ProfileSettings(sustain_s=0)) == 0.0
+    # A power-capped device with measured memory (a GPU) is not timed under sustained load by default either.
+    cal, said = _profile_capped(monkeypatch, None, device_memory=80 * 2**30)
+    assert "sustained" not in cal.extra and not [x for x in said if x.startswith("sustained load:")]
     with pytest.raises(ValueError, match="sustain_s"):
         ProfileSettings(sustain_s=-1.0)
