@@ -52,34 +52,53 @@ def per_shape(shape_sums: Mapping[tuple[int, int], np.ndarray],
     return out
 
 
+def plan_batches(row: Mapping[str, Any]) -> list[tuple[int, int]]:
+    """``(batch size, count)`` of the batches a ``bucket_table()`` row makes: its full batches and, where its
+    ``samples`` do not fill the last one, that batch at its own size (the sampler fills each bucket's batches in
+    order, so only the last holds fewer)."""
+    b, n = int(row["batch_size"]), int(row["batches"])
+    last = int(row["samples"]) - (n - 1) * b if "samples" in row else b
+    if 0 < last < b:
+        return [(b, n - 1), (last, 1)] if n > 1 else [(last, 1)]
+    return [(b, n)]
+
+
 def epoch_estimate(plan: Sequence[Mapping[str, Any]], shape_sums: Mapping[tuple[int, int], np.ndarray],
-                   world: int, bubble: float, predicted_compute: Callable[[int, int, int], float],
-                   flops_fn: Callable[[int], float] | None,
+                   rank_sums: Mapping[tuple[int, int], np.ndarray], world: int, bubble: float,
+                   predicted_compute: Callable[[int, int, int], float], flops_fn: Callable[[int], float] | None,
                    peak_tflops: float | None) -> dict[str, float] | None:
     """:meth:`BalanceMonitor.epoch_estimate
     <lightning_adaptiveload.callbacks.balance_monitor.BalanceMonitor.epoch_estimate>` (see there) from the
-    monitor's per-shape sums, its world size and run bubble, its ``predicted_compute(B, S, degree)``, the
-    module's ``flops_per_sample`` (``None``: no MFU) and the device's peak."""
+    monitor's per-shape sums of this rank (``shape_sums``) and of every rank's data-parallel batches
+    (``rank_sums``: steps, step time, predicted compute), its world size and run bubble, its ``predicted_compute(B, S, degree)``,
+    the module's ``flops_per_sample`` (``None``: no MFU) and the device's peak."""
     rows = [r for r in plan if int(r.get("batch_size", 0)) > 0 and int(r.get("batches", 0)) > 0]
-    measured = {key: sums for key, sums in shape_sums.items() if sums[0] > 0}
-    hit = [(int(r["batch_size"]), int(r["seq_len"])) in measured for r in rows]
+    # Every rank's steps of a data-parallel shape where there are any, else this rank's (sequence parallel).
+    measured = {key: sums for sums_of in (shape_sums, rank_sums) for key, sums in sums_of.items() if sums[0] > 0}
+    full = [(int(r["batch_size"]), int(r["seq_len"])) for r in rows]
+    hit = [key in measured for key in full]
     if not any(hit):
         return None
     world = max(1, world)
-    seen = [measured[(int(r["batch_size"]), int(r["seq_len"]))] for r, h in zip(rows, hit, strict=True) if h]
+    # R over the buckets' full batches: a remainder batch often waits for a heavier one, its time not its own.
+    seen = [measured[key] for key, h in zip(full, hit, strict=True) if h]
     pred_total = sum(float(v[2]) for v in seen)
     ratio = sum(float(v[1]) for v in seen) / pred_total if pred_total > 0 else float("nan")
+
+    def step_time(b: int, s: int, k: int) -> tuple[float, bool]:
+        sums = measured.get((b, s))
+        if sums is None:
+            return predicted_compute(b, s, k) * ratio, False
+        return float(sums[1] / sums[0]), True
+
     time_total = time_measured = tokens = flops = 0.0
-    for r, h in zip(rows, hit, strict=True):
-        b, s, n, k = int(r["batch_size"]), int(r["seq_len"]), int(r["batches"]), int(r.get("sp_degree", 1) or 1)
-        if h:
-            sums = measured[(b, s)]
-            t = float(sums[1] / sums[0])
-        else:
-            t = predicted_compute(b, s, k) * ratio
-        time_total += n * t * k
-        time_measured += n * t * k if h else 0.0
-        samples = int(r.get("samples", n * b))
+    for r in rows:
+        s, k = int(r["seq_len"]), int(r.get("sp_degree", 1) or 1)
+        for b, n in plan_batches(r):
+            t, known = step_time(b, s, k)
+            time_total += n * t * k
+            time_measured += n * t * k if known else 0.0
+        samples = int(r.get("samples", int(r["batches"]) * int(r["batch_size"])))
         tokens += samples * s
         if flops_fn is not None:
             flops += samples * float(flops_fn(s))

@@ -273,6 +273,8 @@ class BalanceMonitor(Callback):
         self._shape_cycles: dict[tuple[int, int], deque[float]] = {}
         self._shape_counts: dict[tuple[int, int], int] = {}
         self._sp_shapes: set[tuple[int, int]] = set()  # this rank's sequence-parallel batch shapes (not observed)
+        # Every rank's counted data-parallel batches per shape: [steps, step time, predicted compute] (sums).
+        self._rank_sums: dict[tuple[int, int], np.ndarray] = {}
         # Per counted step, the slowest rank's time outside forward + backward: see `overhead_s`.
         self._overheads: deque[float] = deque(maxlen=_SHAPE_SAMPLES)
 
@@ -516,11 +518,20 @@ class BalanceMonitor(Callback):
             self._shape_sums[key] = sums
             if step.row[12] == 0:
                 self._sp_shapes.add(key)
+            self._count_shapes(rows)
             self._observe(rows)
         if log and (step.batch_idx + 1) % self.log_every_n_steps == 0:
             # CPU tensors: Lightning would copy floats to the device, which waits for the device.
             pl_module.log_dict({k: torch.tensor(v) for k, v in self.last_metrics.items()}, on_step=True,
                                on_epoch=False, rank_zero_only=True)
+
+    def _count_shapes(self, rows: np.ndarray) -> None:
+        """Adds every rank's data-parallel batch of a counted step to its shape's sums (for
+        :meth:`epoch_estimate`): a rank that waited for a heavier batch adds the step's time, which is what its
+        batch cost the epoch."""
+        for row in rows[rows[:, 12] > 0]:
+            shape = (int(row[12]), int(row[13]))
+            self._rank_sums[shape] = self._rank_sums.get(shape, np.zeros(3)) + (1.0, row[0], row[2])
 
     def _observe(self, rows: np.ndarray) -> None:
         """Per data-parallel batch shape of the step, the slowest rank's step plus the wait before it.
@@ -673,16 +684,18 @@ class BalanceMonitor(Callback):
                                          self._active_cost_model, self._peak_tflops)
 
     def epoch_estimate(self, plan: Sequence[Mapping[str, Any]]) -> dict[str, float] | None:
-        """Tokens/s (and MFU) of one epoch of ``plan`` at the step times this rank measured per batch shape.
+        """Tokens/s (and MFU) of one epoch of ``plan`` at the step times the ranks measured per batch shape.
 
         A short run draws few of an epoch's buckets, so its tokens/s depends on which buckets it drew
         (on a mixed corpus, often by more than the change being measured); this weighs every bucket by
-        its batches in the epoch instead. A bucket whose (B, S) was measured (after the warm-up) takes its
-        mean step time; one that was not takes its predicted compute times R, the measured over the
-        predicted time of the measured buckets together. On W ranks the epoch's batches are spread
-        evenly (an SP batch holds its k ranks) and the measured bubble is kept:
-        ``time = Σ batches · t · k / W / (1 - bubble)``, ``tokens = Σ samples · S`` (``batches · B · S``
-        for rows without ``samples``).
+        its batches in the epoch instead. Each bucket's batches are its full ones and, where its samples do
+        not fill the last, that smaller batch, each priced at its own (B, S): the mean step time of every
+        rank's counted steps of that shape (this rank's for a sequence-parallel shape), which for a batch that
+        waited for a heavier one at the gradient all-reduce is the step's time, as in training; a shape not
+        measured takes its predicted compute times R, the measured over the predicted time of the measured
+        full batches together. On W ranks the epoch's batches are spread evenly (an SP batch holds its k
+        ranks) and the measured bubble is kept: ``time = Σ batches · t(B, S) · k / W / (1 - bubble)``,
+        ``tokens = Σ samples · S`` (``batches · B · S`` for rows without ``samples``).
 
         Args:
             plan: rows of the DataModule's ``bucket_table()`` (``seq_len``, ``batch_size``, ``batches``,
@@ -693,7 +706,7 @@ class BalanceMonitor(Callback):
             ``buckets``, ``measured_time_frac`` (the measured buckets' share of the epoch's time) and
             ``ratio`` (R); ``None`` when no bucket of the plan was measured.
         """
-        return _balance_report.epoch_estimate(plan, self._shape_sums, self._per_rank_sum.shape[0],
+        return _balance_report.epoch_estimate(plan, self._shape_sums, self._rank_sums, self._per_rank_sum.shape[0],
                                               self.summary().get("bubble", 0.0), self._predicted_compute,
                                               self._flops_fn, self._peak_tflops)
 

@@ -473,13 +473,14 @@ def test_epoch_estimate_weighs_every_bucket_by_its_batches_in_the_plan(tmp_path,
             {"seq_len": 96, "batch_size": 0, "batches": 0}]   # skipped bucket: left out
     e = monitor.epoch_estimate(plan)
     ratio = (3 * 3.0 + 3 * 3.0) / (3 * 1.8 + 3 * 1.2)  # measured over predicted, the measured buckets together
-    seconds = 10 * 3.0 + 5 * 3.0 + 4 * 4.8 * ratio
+    # 9 full batches of 3 at S=12 and the last of 2, not measured: predicted 1.2 s x R.
+    seconds = 9 * 3.0 + 1.2 * ratio + 5 * 3.0 + 4 * 4.8 * ratio
     tokens = 29 * 12 + 5 * 24 + 4 * 96
     assert e["ratio"] == pytest.approx(ratio)
     assert e["tokens_per_s"] == pytest.approx(tokens / seconds)
     assert e["mfu"] == pytest.approx(tokens * 1e12 / seconds / 1e12 / 100.0)  # 1e12 FLOPs per token
     assert (e["measured_buckets"], e["buckets"]) == (2, 3)
-    assert e["measured_time_frac"] == pytest.approx(45.0 / seconds)
+    assert e["measured_time_frac"] == pytest.approx(42.0 / seconds)
     assert monitor.epoch_estimate([{"seq_len": 48, "batch_size": 2, "batches": 4}]) is None  # nothing measured
 
 
@@ -496,6 +497,36 @@ def test_epoch_estimate_spreads_the_epoch_over_the_ranks_and_keeps_the_bubble():
     t_sp = monitor._predicted_compute(1, 16, 2) * 2.0
     seconds = (6 * 2.0 + 2 * t_sp * 2) / 2 / 0.75
     assert e["tokens_per_s"] == pytest.approx((6 * 8 + 2 * 16) / seconds)
+
+
+def test_epoch_estimate_prices_each_buckets_last_batch_at_what_its_step_cost_on_any_rank():
+    # Two ranks, the quickstart's case: a bucket of 217 samples at S=120 with B=34 makes 6 full batches and one
+    # of 13, a bucket of 288 at S=16 with B=256 one full and one of 32. The plan pairs the two small ones in one
+    # step (0.045 s on both ranks); the full batches' steps take 0.10 s. Rank 0 never ran 256 x 16 or 32 x 16.
+    from lightning_adaptiveload.callbacks.balance_monitor import _FIELDS
+
+    col = {name: i for i, name in enumerate(_FIELDS)}
+
+    def row(b, s, step, predicted):
+        r = np.zeros(len(_FIELDS))
+        r[[col["step_time"], col["compute"], col["batch_size"], col["seq_len"]]] = step, predicted, b, s
+        return r
+
+    monitor = BalanceMonitor(cost_model=SimpleNamespace(predict=lambda b, s: 0.08), print_report=False)
+    for rows in ([row(34, 120, 0.10, 0.08), row(34, 120, 0.10, 0.08)],
+                 [row(34, 120, 0.10, 0.08), row(256, 16, 0.10, 0.08)],
+                 [row(13, 120, 0.045, 0.03), row(32, 16, 0.045, 0.01)]):
+        rows = np.stack(rows)
+        monitor._accumulate(rows)
+        monitor._count_shapes(rows)
+        monitor._shape_sums[(int(rows[0, 12]), int(rows[0, 13]))] = monitor._shape_sums.get(
+            (int(rows[0, 12]), int(rows[0, 13])), np.zeros(6)) + (1.0, rows[0, 0], rows[0, 2], 0.0, 0.0, 0.0)
+    e = monitor.epoch_estimate([{"seq_len": 120, "batch_size": 34, "batches": 7, "samples": 217},
+                                {"seq_len": 16, "batch_size": 256, "batches": 2, "samples": 288}])
+    # 7 x 0.10 (6 full + 256 x 16) and 2 x 0.045 over 2 ranks: 4.5 steps of the epoch's 4.5. R = 1.25 is unused.
+    assert e["tokens_per_s"] == pytest.approx((217 * 120 + 288 * 16) / ((7 * 0.10 + 2 * 0.045) / 2))
+    assert e["measured_time_frac"] == pytest.approx(1.0) and e["ratio"] == pytest.approx(0.10 / 0.08)
+    assert (e["measured_buckets"], e["buckets"]) == (2, 2)  # 256 x 16 measured on rank 1 only
 
 
 def test_a_failed_clock_read_loses_the_sample_not_the_step(tmp_path, monkeypatch):

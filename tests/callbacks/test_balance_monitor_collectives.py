@@ -83,7 +83,8 @@ def _fit(rank: int, world: int, port: int, out: str, timing: str = "synchronize"
     )
     trainer.fit(TinyModule(), datamodule=_Plan(rank))
     torch.save({"per_step": per_step, "outside": outside, "rows": [r.tolist() for r in monitor.history],
-                "epoch_buckets": monitor.epoch and float(monitor.epoch["measured_buckets"])},
+                "epoch_buckets": monitor.epoch and float(monitor.epoch["measured_buckets"]),
+                "epoch_tokens_per_s": monitor.epoch and float(monitor.epoch["tokens_per_s"])},
                Path(out) / f"rank{rank}.pt")
 
 
@@ -99,7 +100,10 @@ def test_one_collective_per_training_step_and_none_elsewhere(tmp_path):
         assert len(rows) == STEPS - 1 and all(len(r) == 2 for r in rows)
         assert {(r[0][12], r[0][13]) for r in rows} == {(3.0, 12.0)}
         assert {(r[1][12], r[1][13]) for r in rows} == {(1.0, 24.0)}
-        assert got["epoch_buckets"] == 1.0  # the estimate is the rank's own: it measured one shape
+        # The estimate reads the gathered rows, no collective of its own: both shapes on both ranks, one answer.
+        assert got["epoch_buckets"] == 2.0
+    assert torch.load(tmp_path / "rank0.pt")["epoch_tokens_per_s"] == torch.load(tmp_path / "rank1.pt")[
+        "epoch_tokens_per_s"]
 
 
 def test_events_timing_gathers_each_step_once_a_step_late(tmp_path):
