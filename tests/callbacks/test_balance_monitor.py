@@ -499,23 +499,22 @@ def test_epoch_estimate_spreads_the_epoch_over_the_ranks_and_keeps_the_bubble():
     assert e["tokens_per_s"] == pytest.approx((6 * 8 + 2 * 16) / seconds)
 
 
+def _row(b, s, step, predicted):
+    """One rank's row of a step: its step time, predicted compute and batch shape (the rest zero)."""
+    col = {name: i for i, name in enumerate(balance_monitor._FIELDS)}
+    r = np.zeros(len(balance_monitor._FIELDS))
+    r[[col["step_time"], col["compute"], col["batch_size"], col["seq_len"]]] = step, predicted, b, s
+    return r
+
+
 def test_epoch_estimate_prices_each_buckets_last_batch_at_what_its_step_cost_on_any_rank():
     # Two ranks, the quickstart's case: a bucket of 217 samples at S=120 with B=34 makes 6 full batches and one
     # of 13, a bucket of 288 at S=16 with B=256 one full and one of 32. The plan pairs the two small ones in one
     # step (0.045 s on both ranks); the full batches' steps take 0.10 s. Rank 0 never ran 256 x 16 or 32 x 16.
-    from lightning_adaptiveload.callbacks.balance_monitor import _FIELDS
-
-    col = {name: i for i, name in enumerate(_FIELDS)}
-
-    def row(b, s, step, predicted):
-        r = np.zeros(len(_FIELDS))
-        r[[col["step_time"], col["compute"], col["batch_size"], col["seq_len"]]] = step, predicted, b, s
-        return r
-
     monitor = BalanceMonitor(cost_model=SimpleNamespace(predict=lambda b, s: 0.08), print_report=False)
-    for rows in ([row(34, 120, 0.10, 0.08), row(34, 120, 0.10, 0.08)],
-                 [row(34, 120, 0.10, 0.08), row(256, 16, 0.10, 0.08)],
-                 [row(13, 120, 0.045, 0.03), row(32, 16, 0.045, 0.01)]):
+    for rows in ([_row(34, 120, 0.10, 0.08), _row(34, 120, 0.10, 0.08)],
+                 [_row(34, 120, 0.10, 0.08), _row(256, 16, 0.10, 0.08)],
+                 [_row(13, 120, 0.045, 0.03), _row(32, 16, 0.045, 0.01)]):
         rows = np.stack(rows)
         monitor._accumulate(rows)
         monitor._count_shapes(rows)
@@ -578,19 +577,10 @@ def test_history_keeps_the_last_steps_and_the_means_all_of_them():
 def test_a_rank_that_waited_for_the_others_does_not_observe_its_shape():
     # Two ranks: a full batch (predicted 0.10 s) beside a remainder (0.02 s). The remainder's rank waits at the
     # gradient all-reduce, so its step time (0.11 s) is the full batch's, not its own shape's cost.
-    from lightning_adaptiveload.callbacks.balance_monitor import _FIELDS
-
-    col = {name: i for i, name in enumerate(_FIELDS)}
-
-    def row(b, s, step, predicted):
-        r = np.zeros(len(_FIELDS))
-        r[[col["step_time"], col["compute"], col["batch_size"], col["seq_len"]]] = step, predicted, b, s
-        return r
-
     monitor = BalanceMonitor(print_report=False)
     for _ in range(3):
-        monitor._observe(np.stack([row(256, 16, 0.11, 0.10), row(32, 16, 0.11, 0.02)]))
-    monitor._observe(np.stack([row(32, 16, 0.03, 0.02), row(30, 16, 0.031, 0.019)]))  # balanced: both count
+        monitor._observe(np.stack([_row(256, 16, 0.11, 0.10), _row(32, 16, 0.11, 0.02)]))
+    monitor._observe(np.stack([_row(32, 16, 0.03, 0.02), _row(30, 16, 0.031, 0.019)]))  # balanced: both count
     assert monitor.observations(min_steps=1) == [(30, 16, 0.031, 1), (32, 16, 0.03, 1), (256, 16, 0.11, 3)]
 
 
