@@ -39,6 +39,7 @@ _GAIN = re.compile(r"this plan trains at ([+-][0-9.]+)% tokens/s under the cost 
                    r"(?:.*?started with predicted ([+-][0-9.]+)%)?")
 _SOURCE = re.compile(r"Shape benchmark \(([^;)]+)")
 _CHANGE = re.compile(r"S=([0-9,]+) (\d+)->(\d+)")
+_OFF = re.compile(r"(\d+) x ([0-9,]+) ([0-9.]+) \((\d+) steps\)")
 _DECISION = re.compile(r"`ShapeBenchmarkCallback`: step (\d+): (re-plan|keep the plan): ([+-][0-9.]+)% .*?"
                        r"measured/predicted over \d+ shape\(s\), [0-9,]+ steps: ([0-9.]+) \(([0-9.]+)-([0-9.]+)\) -> "
                        r"([0-9.]+) \(([0-9.]+)-([0-9.]+)\).*?the plan now trains at ([0-9,]+) predicted tokens/s")
@@ -68,14 +69,18 @@ def cpu_load(enabled: bool) -> Iterator[None]:
 
 def parse_decisions(log: str) -> list[dict[str, Any]]:
     """The closed loop's check lines of a run's log: step, verdict, predicted gain, measured/predicted before and
-    after (median, min, max), the plan's predicted tokens/s and the batch sizes the corrected policy changes."""
+    after (median, min, max), the plan's predicted tokens/s, the batch sizes the corrected policy changes and
+    the shapes the line names as still outside the band after correction (``[B, S, ratio, steps]``)."""
     return [{"step": int(m[1]), "replan": m[2] == "re-plan", "gain": float(m[3]) / 100,
              "ratio_before": [float(m[4]), float(m[5]), float(m[6])],
              "ratio_after": [float(m[7]), float(m[8]), float(m[9])],
              "predicted_tokens_per_s": float(m[10].replace(",", "")),
              # S -> [old B, new B] of the buckets the corrected policy changes (applied only on a re-plan).
              "batch_changes": {c[1].replace(",", ""): [int(c[2]), int(c[3])]
-                               for c in _CHANGE.finditer(m[0].split("; measured/predicted")[0])}}
+                               for c in _CHANGE.finditer(m[0].split("; measured/predicted")[0])},
+             "off_after": [[int(o[1]), int(o[2].replace(",", "")), float(o[3]), int(o[4])] for o in _OFF.finditer(
+                 m[0].split("after correction: ")[1].split("; the plan now")[0])] if "after correction: " in m[0]
+             else []}
             for m in _DECISION.finditer(log)]
 
 

@@ -340,7 +340,8 @@ class Decision:
         return self.tokens_per_s(replanned) / base - 1 if base > 0 else float("nan")
 
     def summary(self) -> str:
-        """One line: the verdict, the batch sizes that change, measured/predicted before and after."""
+        """One line: the verdict, the batch sizes that change, measured/predicted before and after, and the
+        shapes still more than :data:`CORRECTION_REL` off after correction (the worst three)."""
         verdict = "re-plan" if self.replan else "keep the plan"
         line = f"{verdict}: {self.gain:+.1%} predicted tokens/s under the corrected model (re-plan from {REPLAN_GAIN:.0%})"
         if self.batch_changes:
@@ -355,6 +356,12 @@ class Decision:
 
             line += (f"; measured/predicted over {len(self.observed)} shape(s), {steps:,} steps: "
                      f"{spread(self.ratio_before)} -> {spread(self.ratio_after)}")
+            off = sorted(((o, r) for o, r in zip(self.observed, self.ratio_after, strict=True)
+                          if abs(r - 1.0) > CORRECTION_REL), key=lambda p: -abs(p[1] - 1.0))
+            if off:  # what the corrected model still cannot follow, worst first
+                line += f"; beyond ±{CORRECTION_REL:.0%} after correction: " + ", ".join(
+                    f"{o.batch_size} x {o.seq_len:,} {r:.2f} ({o.steps} steps)" for o, r in off[:3]) + (
+                    f" and {len(off) - 3} more" if len(off) > 3 else "")
         return line
 
 

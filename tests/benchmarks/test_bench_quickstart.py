@@ -31,9 +31,11 @@ def test_a_check_line_is_read_with_its_batch_size_changes():
            "background thread, applied at step 26; training waited 0.02 s)\n"
            "`ShapeBenchmarkCallback`: step 50: re-plan: +4.0% predicted tokens/s under the corrected model "
            "(re-plan from 3%); no batch size changes; measured/predicted over 7 shape(s), 1,065 steps: "
-           "1.23 (1.09-1.46) -> 1.00 (0.96-1.04); the plan now trains at 32,988 predicted tokens/s (0.16 s)")
+           "1.23 (1.09-1.46) -> 1.00 (0.93-1.04); beyond ±5% after correction: 60 x 1,560 0.93 (9 steps); the plan "
+           "now trains at 32,988 predicted tokens/s (0.16 s)")
     first, second = bench.parse_decisions(log)
     assert first == {"step": 25, "replan": False, "gain": -0.012, "ratio_before": [1.33, 1.27, 1.59],
                      "ratio_after": [1.0, 0.99, 1.03], "predicted_tokens_per_s": 30341.0,
-                     "batch_changes": {"16": [203, 198], "1560": [34, 31]}}
+                     "batch_changes": {"16": [203, 198], "1560": [34, 31]}, "off_after": []}
     assert second["replan"] and second["gain"] == 0.04 and second["batch_changes"] == {}
+    assert second["off_after"] == [[60, 1560, 0.93, 9]] and second["ratio_after"] == [1.0, 0.93, 1.04]

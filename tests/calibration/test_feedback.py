@@ -19,7 +19,7 @@ from lightning_adaptiveload.calibration.calibrate import (
 )
 from lightning_adaptiveload.calibration.costmodel import CostModel
 from lightning_adaptiveload.calibration.derive import ModeTier
-from lightning_adaptiveload.calibration.feedback import REPLAN_GAIN, Observation, compare, refit
+from lightning_adaptiveload.calibration.feedback import REPLAN_GAIN, Decision, Observation, compare, refit
 from lightning_adaptiveload.calibration.profile import Measurement
 from lightning_adaptiveload.calibration.simulate import mixture_token_grids
 from lightning_adaptiveload.data.mixtures import get_mixture
@@ -77,6 +77,19 @@ def test_a_uniform_slowdown_corrects_the_predictions_and_changes_no_batch_size()
     assert decision.derivation.step_budget_s == pytest.approx(1.1 * running.step_budget_s, rel=1e-6)
     assert "keep the plan" in decision.summary() and "no batch size changes" in decision.summary()
     assert "1.10 (1.10-1.10) -> 1.00 (1.00-1.00)" in decision.summary()
+    assert "after correction:" not in decision.summary()  # nothing is left outside the band
+
+
+def test_the_summary_names_the_shapes_the_correction_leaves_outside_the_band():
+    obs = (Observation(34, 120, 0.121, 12), Observation(13, 120, 0.079, 5), Observation(56, 72, 0.104, 40),
+           Observation(256, 16, 0.137, 22), Observation(64, 64, 0.094, 22), Observation(60, 64, 0.093, 9))
+    after = (1.21, 0.79, 1.04, 1.37, 0.94, 1.06)
+    decision = Decision(derivation=None, gain=0.0, replan=False, observed=obs, ratio_before=after,  # type: ignore[arg-type]
+                        ratio_after=after)
+    line = decision.summary()
+    # Worst first, at most three, the rest counted; 56 x 72 (1.04) is inside the band and not named.
+    assert line.endswith("; beyond ±5% after correction: 256 x 16 1.37 (22 steps), 34 x 120 1.21 (12 steps), "
+                         "13 x 120 0.79 (5 steps) and 2 more")
 
 
 def test_a_slow_bucket_gets_a_smaller_batch_and_a_replan_where_it_costs_throughput():
