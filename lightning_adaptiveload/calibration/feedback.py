@@ -182,40 +182,31 @@ def _fit_with_corrections(merged: dict[tuple[int, int, str | None], float],
                      fitted.attention_tokens, {s: o for s, (_, o) in fixes.items() if o != 0}), scales
 
 
-def _weighted_median(values: Sequence[float], weights: Sequence[float]) -> float:
-    """The median of ``values`` with each counted ``weights`` times (equal weights: :func:`numpy.median`)."""
-    order = np.argsort(values)
-    v, c = np.asarray(values, dtype=float)[order], np.cumsum(np.asarray(weights, dtype=float)[order])
-    i = int(np.searchsorted(c, c[-1] / 2))
-    if i + 1 < len(v) and np.isclose(c[i], c[-1] / 2):
-        return float((v[i] + v[i + 1]) / 2)
-    return float(v[i])
-
-
 def _affine_correction(points: Sequence[tuple[int, float, float, int]]) -> tuple[float, float]:
-    """``(factor, offset_s)`` for one length from its training points ``(B, priced, measured, steps)``: the
-    median ratio (each point weighted by its steps) where they hold one batch size; with two or more,
+    """``(factor, offset_s)`` for one length from its training points ``(B, priced, measured, steps)``: where they
+    hold one batch size, measured over priced (their sums weighted by steps); with two or more,
     ``measured ≈ factor · priced + offset`` in relative least squares. A positive offset is a small batch's
     fixed cost the form's floor does not hold (with two ranks on a CPU, 32 and 256 images of one length ran 1.6x
     and 1.1x the fit); a negative one, a floor the form holds too high at this length (107 and 181 samples of 16
     tokens ran 0.90x and 1.14x). A negative offset may take at most ``1 - OFFSET_FLOOR`` of the smallest measured
     batch's ``factor · priced`` (:data:`~lightning_adaptiveload.calibration.costmodel.OFFSET_FLOOR`), so the
-    floor the prediction keeps does not bind where training measured; a larger one falls back to the weighted
-    median ratio, which fits the batch size trained most (the plain median of two left a CPU quickstart's
-    34 x 120, 68 steps, and its 13 x 120 remainder, 5 bounding steps, at 1.21x and 0.79x)."""
-    ratios = [t / p for _, p, t, _ in points]
-    median = _weighted_median(ratios, [max(1, n) for _, _, _, n in points])
-    if len({b for b, _, _, _ in points}) < 2:
-        return median, 0.0
+    floor the prediction keeps does not bind where training measured; a larger one falls back to one factor,
+    ``Σ steps · measured / Σ steps · priced``: the time training spent at the length is predicted right, and
+    the batch sizes trained least carry the error (the median ratio of two left a CPU quickstart's 34 x 120,
+    68 steps, and its 13 x 120 remainder, 5 bounding steps, at 1.21x and 0.79x)."""
+    steps = np.array([max(1, n) for _, _, _, n in points], dtype=float)
     priced = np.array([p for _, p, _, _ in points])
     measured = np.array([t for _, _, t, _ in points])
+    pooled = float((steps * measured).sum() / (steps * priced).sum())
+    if len({b for b, _, _, _ in points}) < 2:
+        return pooled, 0.0
     fit = lsq_linear(np.stack([priced / measured, 1.0 / measured], axis=1), np.ones(len(points)),
                      bounds=([1e-9, -np.inf], [np.inf, np.inf]))
     factor, offset = (float(v) for v in fit.x)
-    if not 0.5 * median <= factor <= 2.0 * median:  # the offset would stand for the length's whole cost
-        return median, 0.0
+    if not 0.5 * pooled <= factor <= 2.0 * pooled:  # the offset would stand for the length's whole cost
+        return pooled, 0.0
     if offset < -(1.0 - OFFSET_FLOOR) * factor * float(priced.min()):  # it would take most of a small batch's time
-        return median, 0.0
+        return pooled, 0.0
     return factor, offset if abs(offset) > 1e-12 else 0.0
 
 
