@@ -236,17 +236,24 @@ def test_refit_needs_an_observation_and_takes_plain_tuples():
     assert refit(cal, [(42, 1560, 0.8, 10, None)]).extra["provenance"]["training_points"] == 1
 
 
+def _two_sizes_at(length, divisor, seconds, steps=(50, 50)):
+    """Training's points: TRUTH at the running policy's batch sizes, except ``length``, measured at its full
+    batch size and at 1/``divisor`` of it, ``seconds(B, is_full)`` each, over ``steps``. Returns the calibration, the
+    observations and the two batch sizes."""
+    cal = _calibration()
+    observed = _observed(_running(cal), lambda s: 1.0)
+    full = next(o.batch_size for o in observed if o.seq_len == length)
+    small = full // divisor
+    assert small >= 1
+    return cal, [o for o in observed if o.seq_len != length] + [
+        Observation(b, length, seconds(b, b == full), n) for b, n in zip((full, small), steps, strict=True)], full, small
+
+
 def test_a_length_measured_at_two_batch_sizes_gets_a_factor_and_an_offset():
     # One length paid a fixed cost the form's single floor does not hold (a remainder batch beside the full
     # ones): 1.1 x TRUTH + 30 ms at both of its batch sizes. A factor alone would leave the two ratios apart.
-    cal = _calibration()
-    running = _running(cal)
     slow = int(SEQ[0])
-    observed = _observed(running, lambda s: 1.0)
-    full = next(o for o in observed if o.seq_len == slow)
-    small = max(1, full.batch_size // 8)
-    observed = [o for o in observed if o.seq_len != slow] + [
-        Observation(b, slow, 1.1 * float(TRUTH.predict(b, slow)) + 0.03, 50) for b in (full.batch_size, small)]
+    cal, observed, _, small = _two_sizes_at(slow, 8, lambda b, _: 1.1 * float(TRUTH.predict(b, slow)) + 0.03)
     # The time outside forward + backward is measured (as BalanceMonitor.overhead_s gives it), so the one
     # length's fixed cost is not taken for every step's.
     new = refit(cal, observed, overhead_s=0.0).cost_model
@@ -270,14 +277,8 @@ def test_a_length_whose_small_batch_is_faster_than_the_form_gets_a_negative_offs
     # The form's floor is too high at one length: its small batch runs faster than the form says, its full
     # batch slower (0.90x and 1.14x on a CPU quickstart). 1.2 x TRUTH - 30 ms at both batch sizes: a factor
     # alone, or a non-negative offset, would leave the two ratios apart.
-    cal = _calibration()
-    running = _running(cal)
     fast = int(SEQ[0])
-    observed = _observed(running, lambda s: 1.0)
-    full = next(o for o in observed if o.seq_len == fast)
-    small = max(1, full.batch_size // 8)
-    observed = [o for o in observed if o.seq_len != fast] + [
-        Observation(b, fast, 1.2 * float(TRUTH.predict(b, fast)) - 0.03, 50) for b in (full.batch_size, small)]
+    cal, observed, _, _ = _two_sizes_at(fast, 8, lambda b, _: 1.2 * float(TRUTH.predict(b, fast)) - 0.03)
     new = refit(cal, observed, overhead_s=0.0).cost_model
     assert new.corrections[fast] == pytest.approx(1.2, rel=1e-3) and new.offsets[fast] == pytest.approx(-0.03, rel=1e-3)
     for o in observed:
@@ -301,22 +302,15 @@ def test_a_length_whose_batch_sizes_disagree_beyond_an_offset_keeps_its_trained_
     # One length's full batch ran 1.2x the form over 68 steps, its remainder 0.35x over 5: no offset within the
     # floor joins them, so one factor for the length, which predicts the time trained there: the full batch
     # nearly right, the remainder carrying the error (the median of the two ratios put the full batch at 1.55x).
-    cal = _calibration()
-    running = _running(cal)
     length = int(SEQ[0])
-    observed = _observed(running, lambda s: 1.0)
-    full = next(o for o in observed if o.seq_len == length)
-    small = full.batch_size // 4
-    assert small >= 1
-    observed = [o for o in observed if o.seq_len != length] + [
-        Observation(full.batch_size, length, 1.2 * float(TRUTH.predict(full.batch_size, length)), 68),
-        Observation(small, length, 0.35 * float(TRUTH.predict(small, length)), 5)]
+    cal, observed, full, _ = _two_sizes_at(
+        length, 4, lambda b, is_full: (1.2 if is_full else 0.35) * float(TRUTH.predict(b, length)), steps=(68, 5))
     new = refit(cal, observed, overhead_s=0.0).cost_model
     assert length not in new.offsets
     mine = observed[-2:]
     assert sum(o.steps * float(new.predict(o.batch_size, length)) for o in mine) == pytest.approx(
         sum(o.steps * o.median_seconds for o in mine), rel=1e-3)
-    assert float(new.predict(full.batch_size, length)) == pytest.approx(mine[0].median_seconds, rel=0.02)
+    assert float(new.predict(full, length)) == pytest.approx(mine[0].median_seconds, rel=0.02)
     for o in observed[:-2]:
         assert float(new.predict(o.batch_size, o.seq_len)) == pytest.approx(o.median_seconds, rel=2e-2)
 
