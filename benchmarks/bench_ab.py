@@ -51,11 +51,14 @@ def pair_ratios(runs: list[dict[str, Any]], num: str, den: str, key: str = "toke
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--name", required=True, help="what is compared, stored with the record")
-    p.add_argument("--a", nargs="+", required=True, help="arm A's overrides")
-    p.add_argument("--b", nargs="+", required=True, help="arm B's overrides")
+    p.add_argument("--a", nargs="*", default=[], help="arm A's overrides")
+    p.add_argument("--b", nargs="*", default=[], help="arm B's overrides")
     p.add_argument("--c", nargs="+", default=None, help="a third arm's overrides (optional)")
     p.add_argument("--order", nargs="+", choices=("a", "b", "c"), default=None,
                    help="the arms' runs in this order (default: --pairs ABBA pairs of A and B from --first)")
+    p.add_argument("--a-code", type=Path, default=None, metavar="DIR",
+                   help="run arm A from the lightning_adaptiveload package in DIR (e.g. another commit's, from "
+                        "`git archive REV lightning_adaptiveload | tar -x -C DIR`); the other arms run the checkout's")
     p.add_argument("--pairs", type=int, default=4)
     p.add_argument("--first", choices=("a", "b"), default="a", help="the arm each series starts with")
     p.add_argument("--load", action="store_true", help="run a CPU-bound process beside the runs")
@@ -74,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     with cpu_load(args.load), tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
         for i, arm in enumerate(sequence):
-            runs.append(run_train(arm, [*args.overrides, *getattr(args, arm)], work, work / "cache", args.timeout))
+            runs.append(run_train(arm, [*args.overrides, *getattr(args, arm)], work, work / "cache", args.timeout,
+                                  code=args.a_code if arm == "a" else None))
             r = runs[-1]
             # A run cut off by a time limit still leaves the runs before it.
             args.out.with_suffix(".partial.json").write_text(json.dumps(runs, indent=1))
@@ -84,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     tps, epoch = pair_ratios(runs, "b", "a"), pair_ratios(runs, "b", "a", "epoch_tokens_per_s")
     arms = [arm for arm in ("a", "b", "c") if any(r["kind"] == arm for r in runs)]
     result = {"name": args.name, "a": args.a, "b": args.b, "c": args.c, "order": sequence, "overrides": args.overrides,
+              "a_code": str(args.a_code) if args.a_code else None,
               "pairs": args.pairs, "first": args.first, "load": bool(args.load), "runs": runs,
               "ratios": {f"{y}/{x}": pair_ratios(runs, y, x) for y, x in (("b", "a"), ("c", "a"), ("b", "c"))
                          if x in arms and y in arms},

@@ -16,7 +16,6 @@ shape) and one step per shape is traced with ``torch.profiler`` and split as ``s
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -48,8 +47,8 @@ def _parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--name", required=True, help="the variant's name in the record")
     p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                    help="an inductor option for the blocks (repeatable)")
-    p.add_argument("--rope", default="pairs", choices=["pairs", "flip"],
-                   help="RoPE formulation: the model's (`pairs`) or a candidate")
+    p.add_argument("--rope", default="model", choices=["model", "pairs"],
+                   help="RoPE formulation: the model's (`model`) or `unbind` + `stack` of the rotated pairs (its earlier form)")
     p.add_argument("--model", default="wan2_1_1_3b")
     p.add_argument("--blocks", type=int, default=2)
     p.add_argument("--shapes", default="2x9x30x52,1x21x30x52", help="B x f x h x w token grids, comma-separated")
@@ -76,8 +75,8 @@ def main(argv=None) -> int:
         if not sep:
             raise SystemExit(f"--option {item!r}: expected NAME=VALUE, e.g. coordinate_descent_tuning=true.")
         options[name] = _value(value)
-    if args.rope == "flip":
-        wan.rope_apply = _rope_flip  # the module global the attention looks up at call time
+    if args.rope == "pairs":
+        wan.rope_apply = _rope_pairs  # the module global the attention looks up at call time
     config = from_name_or_config({"preset": args.model, "num_layers": args.blocks})
     torch.manual_seed(0)
     model = WanModel(config).cuda()
@@ -140,16 +139,14 @@ def main(argv=None) -> int:
     return 0
 
 
-def _rope_flip(x, cos, sin):
-    """RoPE of adjacent pairs without ``stack``: ``x·cos + swap(x)·(−sin, sin)`` (same values as the model's)."""
+def _rope_pairs(x, cos, sin):
+    """RoPE as the model wrote it before ``flip``: ``unbind`` the pairs, ``stack`` the rotated ones (same values)."""
     import torch
 
     b, s, n, d = x.shape
-    pairs = x.float().reshape(b, s, n, d // 2, 2)
-    c = cos[None, :, None, :, None]
-    si = sin[None, :, None, :, None]
-    sign = torch.tensor([-1.0, 1.0], device=x.device)
-    return (pairs * c + pairs.flip(-1) * (si * sign)).reshape(b, s, n, d)
+    x0, x1 = x.float().reshape(b, s, n, d // 2, 2).unbind(-1)
+    c, si = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.stack([x0 * c - x1 * si, x0 * si + x1 * c], dim=-1).reshape(b, s, n, d)
 
 
 if __name__ == "__main__":

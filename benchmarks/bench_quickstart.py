@@ -84,16 +84,25 @@ def parse_decisions(log: str) -> list[dict[str, Any]]:
             for m in _DECISION.finditer(log)]
 
 
-def run_train(kind: str, extra: list[str], work: Path, cache: Path, timeout: int) -> dict[str, Any]:
+def run_train(kind: str, extra: list[str], work: Path, cache: Path, timeout: int,
+              code: Path | None = None) -> dict[str, Any]:
     """One ``adaptiveload-train`` run with ``extra`` overrides (plus the baseline's for ``kind="baseline"``):
-    its final metrics, wall time and the closed loop's decisions as logged."""
+    its final metrics, wall time and the closed loop's decisions as logged. ``code``: a directory holding
+    another copy of the ``lightning_adaptiveload`` package, put first on the run's ``PYTHONPATH``."""
     out = work / kind / str(time.time_ns())
     args = [sys.executable, "-m", "lightning_adaptiveload.train", f"output_dir={out}", f"hydra.run.dir={out}",
             f"callbacks.shape_benchmark.cache_dir={cache}", *extra]
     if kind == "baseline":
         args += BASELINE
     start = time.perf_counter()
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    env = None
+    if code is not None:
+        if not (code / "lightning_adaptiveload" / "__init__.py").is_file():
+            raise FileNotFoundError(f"{code}: no lightning_adaptiveload package in it. Make one with "
+                                    f"`git archive REV lightning_adaptiveload | tar -x -C {code}`.")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(code.resolve()),
+                                                                          os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
     wall = time.perf_counter() - start
     log = proc.stdout + proc.stderr
     out.mkdir(parents=True, exist_ok=True)
@@ -120,6 +129,7 @@ def run_train(kind: str, extra: list[str], work: Path, cache: Path, timeout: int
             # profile too noisy to keep is cached as provisional, so the next run profiles again.
             "calibration_source": source[1] if source else None, "profiled": bool(source) and source[1] == "profiled",
             "provisional": "too noisy to keep" in log, "decisions": decisions, "overrides": args[3:],
+            "code": str(code) if code is not None else None,
             # measured/predicted is None for a shape that bounded fewer than 3 steps (it waited for heavier batches).
             "per_shape": [{k: None if isinstance(r[k], float) and math.isnan(r[k]) else r[k]
                            for k in ("B", "S", "steps", "bound_steps", "measured_over_predicted") if k in r}

@@ -10,7 +10,7 @@ DEFAULT_VARIANTS='base|
 coord|--option coordinate_descent_tuning=true
 tile|--option triton.tile_reductions=true --option triton.prefer_nd_tiling=true
 mixorder|--option triton.mix_order_reduction=true
-flip|--rope flip'
+pairs|--rope pairs'
 while IFS='|' read -r name extra; do
   [ -z "$name" ] && continue
   start=$(date +%s)

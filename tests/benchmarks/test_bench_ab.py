@@ -19,7 +19,7 @@ def test_each_run_gets_the_common_and_its_arms_overrides_and_pairs_are_the_ith_r
     seen: list[tuple[str, list[str]]] = []
     tokens = {"a": [100.0, 200.0], "b": [110.0, 150.0]}
 
-    def run_train(kind, overrides, work, cache, timeout):
+    def run_train(kind, overrides, work, cache, timeout, code=None):
         value = tokens[kind][sum(k == kind for k, _ in seen)]
         seen.append((kind, overrides))
         return {"kind": kind, "tokens_per_s": value, "epoch_tokens_per_s": value / 2, "wall_s": 1.0}
@@ -41,7 +41,7 @@ def test_a_third_arm_in_a_given_order_and_the_ratios_of_every_pair_of_arms(tmp_p
     seen: list[str] = []
     tokens = {"a": 100.0, "b": 120.0, "c": 110.0}
 
-    def run_train(kind, overrides, work, cache, timeout):
+    def run_train(kind, overrides, work, cache, timeout, code=None):
         seen.append(kind)
         return {"kind": kind, "tokens_per_s": tokens[kind], "epoch_tokens_per_s": tokens[kind], "wall_s": 1.0,
                 "overrides": overrides}
@@ -58,3 +58,40 @@ def test_a_third_arm_in_a_given_order_and_the_ratios_of_every_pair_of_arms(tmp_p
                                                           "b/c": [pytest.approx(120 / 110)]}
     with pytest.raises(SystemExit):
         bench.main(["--name", "x", "--a", "m=1", "--b", "m=2", "--order", "c", "a", "--out", str(out)])
+
+
+def test_arm_a_runs_another_copy_of_the_package_and_the_others_the_checkout(tmp_path, monkeypatch):
+    codes: list[tuple[str, object]] = []
+
+    def run_train(kind, overrides, work, cache, timeout, code=None):
+        codes.append((kind, code))
+        return {"kind": kind, "tokens_per_s": 1.0, "epoch_tokens_per_s": 1.0, "wall_s": 1.0}
+
+    monkeypatch.setattr(bench, "run_train", run_train)
+    out = tmp_path / "ab.json"
+    bench.main(["--name", "x", "--a-code", str(tmp_path / "old"), "--pairs", "1", "--out", str(out),
+                "--work", str(tmp_path / "w")])
+    assert codes == [("a", tmp_path / "old"), ("b", None)]
+    assert json.loads(out.read_text())[-1]["result"]["a_code"] == str(tmp_path / "old")
+
+
+def test_a_run_from_another_copy_puts_it_first_on_the_path_and_refuses_a_directory_without_it(tmp_path, monkeypatch):
+    quickstart = load_benchmark("bench_quickstart")
+    with pytest.raises(FileNotFoundError, match="git archive"):
+        quickstart.run_train("a", [], tmp_path / "w", tmp_path / "c", 10, code=tmp_path)
+    (tmp_path / "old" / "lightning_adaptiveload").mkdir(parents=True)
+    (tmp_path / "old" / "lightning_adaptiveload" / "__init__.py").write_text("")
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def run(args, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(quickstart.subprocess, "run", run)
+    with pytest.raises(Stop):
+        quickstart.run_train("a", [], tmp_path / "w", tmp_path / "c", 10, code=tmp_path / "old")
+    assert seen["env"]["PYTHONPATH"].split(":") == [str((tmp_path / "old").resolve()), "/elsewhere"]

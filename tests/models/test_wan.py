@@ -239,6 +239,21 @@ def test_rope_matches_complex_rotation(grid, head_dim):
     torch.testing.assert_close(out.norm(dim=-1), x.norm(dim=-1), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_equals_the_pairwise_rotation_bit_for_bit(dtype):
+    # rope_apply's swap-and-sign form must round as the textbook pairwise form does (eager), so a
+    # checkpoint trained with either resumes on the other unchanged.
+    grid, head_dim = (3, 4, 5), 128
+    x = torch.randn(2, math.prod(grid), 3, head_dim).to(dtype)
+    cos, sin = rope_angles(grid, head_dim)
+    x0, x1 = x.float().unflatten(-1, (head_dim // 2, 2)).unbind(-1)
+    c, s = cos[None, :, None], sin[None, :, None]
+    pairwise = torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1).flatten(-2)
+    out = rope_apply(x, cos, sin)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, pairwise)
+
+
 def test_rope_scores_depend_only_on_relative_position():
     grid, head_dim = (6, 7, 8), 24
     cos, sin = rope_angles(grid, head_dim)
