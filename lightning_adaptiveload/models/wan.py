@@ -288,10 +288,10 @@ def rope_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate adjacent pairs ``(x[2n], x[2n+1])`` of ``x [B, S, H, D]`` in fp32; returns fp32.
 
     Written as ``x·cos + swap(x)·(−sin, sin)``: in eager mode the same values, bit for bit, as
-    ``(x0·c − x1·s, x0·s + x1·c)`` (negating is exact), but faster once compiled. With ``unbind`` +
-    ``stack`` inductor's fused backward of the q/k RMSNorm and RoPE took 1.29 ms for two 1.3B blocks at
-    2 x 14,040 tokens on one H100, with ``flip`` 0.70 ms (``benchmarks/bench_block_variants.py``,
-    ``block_variants.json``).
+    ``(x0·c − x1·s, x0·s + x1·c)`` (negating is exact), but faster once compiled: with ``unbind`` +
+    ``stack`` inductor's fused backward of the q/k RMSNorm and RoPE took 1.26 ms for two 1.3B blocks at
+    2 x 14,040 tokens on one H100, with ``flip`` 0.78 ms (``benchmarks/bench_block_variants.py``,
+    ``block_variants.json``; about 1% of a block's step there, too little to show end to end).
     """
     b, s, n, d = x.shape
     pairs = x.float().reshape(b, s, n, d // 2, 2)
