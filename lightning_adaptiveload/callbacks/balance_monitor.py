@@ -56,6 +56,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
@@ -82,6 +83,10 @@ _SHAPE_SAMPLES = 256
 #: step's largest: the cost-balanced sampler groups each step's batches to within a few percent, so the
 #: ranks of a balanced step all count, and a rank far below the others (a remainder batch) does not.
 _BOUNDING = 0.9
+#: Under DDP, of the ranks whose predicted compute bounds a step, those whose measured forward time is within
+#: this fraction of the longest: a data-parallel forward has no collective, so it is the rank's own compute, and
+#: the ranks clearly faster than the slowest waited for it at the gradient all-reduce (their step time is its).
+_FORWARD_LEAD = 0.95
 TIMINGS = ("auto", "events", "synchronize")
 
 
@@ -235,6 +240,7 @@ class BalanceMonitor(Callback):
         self.last_metrics: dict[str, float] = {}
         self._t0: float | None = None
         self._t_fwd: float | None = None
+        self._forward_is_own = False  # set in setup: under DDP a forward time is the rank's own compute
         self._t_opt: float | None = None  # when the optimizer step of the current batch began
         self._t_end: float | None = None  # when the previous batch's bookkeeping ended
         self._wait = 0.0  # data wait before the current batch
@@ -302,6 +308,9 @@ class BalanceMonitor(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         device = trainer.strategy.root_device
+        # Only a DDP forward runs without collectives (FSDP's gathers its parameters, so a rank that arrives
+        # first waits inside it): there a rank's forward time says whether it bounded the step (`_observe`).
+        self._forward_is_own = isinstance(trainer.strategy, DDPStrategy)
         self._events = self.timing == "events" or (self.timing == "auto" and device.type == "cuda")
         self._cpu_group = None
         if not (self._events and trainer.world_size > 1 and dist.is_available() and dist.is_initialized()):
@@ -539,13 +548,18 @@ class BalanceMonitor(Callback):
         Only the shapes of the ranks whose predicted compute bounds the step (within :data:`_BOUNDING` of the
         step's largest) are observed: a rank with less work waits for the others at the gradient all-reduce,
         so its step time is theirs, not its shape's (with two ranks, a remainder batch beside a full one
-        measured 1.6x its own cost). Without a cost model every shape is observed."""
+        measured 1.6x its own cost). Under DDP, of those, only the ranks whose forward took within
+        :data:`_FORWARD_LEAD` of the longest: two batches predicted alike are told apart by what they measured,
+        so a shape is not observed at a slower partner's time. Without a cost model every shape is observed."""
         cycle = rows[:, 0] + rows[:, 6]
         self._overheads.append(float(rows[:, 14].max()))
         shapes = rows[:, 12:14].astype(np.int64)
         comp = rows[:, 2]
         bounding = comp >= _BOUNDING * comp.max() if np.isfinite(comp).all() and comp.max() > 0 else np.ones(
             len(rows), dtype=bool)
+        forward = rows[:, 1]
+        if self._forward_is_own and bounding.sum() > 1 and np.isfinite(forward[bounding]).all():
+            bounding &= forward >= _FORWARD_LEAD * forward[bounding].max()
         for b, s in {tuple(v) for v, keep in zip(shapes.tolist(), bounding, strict=True) if v[0] > 0 and keep}:
             mine = (shapes[:, 0] == b) & (shapes[:, 1] == s) & bounding
             key = (int(b), int(s))

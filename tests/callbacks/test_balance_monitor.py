@@ -499,11 +499,12 @@ def test_epoch_estimate_spreads_the_epoch_over_the_ranks_and_keeps_the_bubble():
     assert e["tokens_per_s"] == pytest.approx((6 * 8 + 2 * 16) / seconds)
 
 
-def _row(b, s, step, predicted):
-    """One rank's row of a step: its step time, predicted compute and batch shape (the rest zero)."""
+def _row(b, s, step, predicted, forward=0.0):
+    """One rank's row of a step: its step time, predicted compute, batch shape and forward time (the rest zero)."""
     col = {name: i for i, name in enumerate(balance_monitor._FIELDS)}
     r = np.zeros(len(balance_monitor._FIELDS))
-    r[[col["step_time"], col["compute"], col["batch_size"], col["seq_len"]]] = step, predicted, b, s
+    r[[col["step_time"], col["compute"], col["batch_size"], col["seq_len"], col["forward_time"]]] = (
+        step, predicted, b, s, forward)
     return r
 
 
@@ -582,6 +583,33 @@ def test_a_rank_that_waited_for_the_others_does_not_observe_its_shape():
         monitor._observe(np.stack([_row(256, 16, 0.11, 0.10), _row(32, 16, 0.11, 0.02)]))
     monitor._observe(np.stack([_row(32, 16, 0.03, 0.02), _row(30, 16, 0.031, 0.019)]))  # balanced: both count
     assert monitor.observations(min_steps=1) == [(30, 16, 0.031, 1), (32, 16, 0.03, 1), (256, 16, 0.11, 3)]
+
+
+def test_under_ddp_of_two_batches_predicted_alike_the_one_whose_forward_was_slower_observes_the_step():
+    # 64 x 64 and 56 x 72 are predicted within 10% of each other, so both bound the step by prediction; the
+    # 56 x 72 rank's forward took 20% longer, so the 64 x 64 rank waited for it: the step (0.09 s) is 56 x 72's.
+    rows = np.stack([_row(64, 64, 0.09, 0.080, forward=0.030), _row(56, 72, 0.09, 0.081, forward=0.036)])
+    ddp = BalanceMonitor(print_report=False)
+    ddp._forward_is_own = True
+    other = BalanceMonitor(print_report=False)  # e.g. FSDP: a forward waits in its gathers, so it says nothing
+    for monitor in (ddp, other):
+        for _ in range(3):
+            monitor._observe(rows)
+    assert ddp.observations(min_steps=1) == [(56, 72, 0.09, 3)]
+    assert other.observations(min_steps=1) == [(56, 72, 0.09, 3), (64, 64, 0.09, 3)]
+    # Forwards within 5% of each other: both count.
+    ddp._observe(np.stack([_row(64, 64, 0.08, 0.080, forward=0.0300), _row(60, 64, 0.08, 0.078, forward=0.0290)]))
+    assert (60, 64, 0.08, 1) in ddp.observations(min_steps=1) and (64, 64, 0.08, 1) in ddp.observations(min_steps=1)
+
+
+def test_the_monitor_reads_forward_times_as_own_compute_only_under_ddp(tmp_path):
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    monitor = BalanceMonitor(print_report=False)
+    for strategy, own in ((DDPStrategy(parallel_devices=[torch.device("cpu")]), True),
+                          (SingleDeviceStrategy("cpu"), False)):
+        monitor.setup(SimpleNamespace(strategy=strategy, world_size=1), None, "fit")
+        assert monitor._forward_is_own is own
 
 
 class _Seen(Callback):
