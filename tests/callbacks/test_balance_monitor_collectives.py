@@ -5,6 +5,7 @@ monitor's hooks is counted: DDP's gradient all-reduce runs between them."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import torch
@@ -118,3 +119,36 @@ def test_events_timing_gathers_each_step_once_a_step_late(tmp_path):
         assert len(rows) == STEPS - 1 and all(len(r) == 2 for r in rows)
         assert {(r[0][12], r[0][13]) for r in rows} == {(3.0, 12.0)}
         assert {(r[1][12], r[1][13]) for r in rows} == {(1.0, 24.0)}
+
+
+class _SlowOnRank1(TinyModule):
+    """A forward that takes 60 ms on rank 1 and 10 ms on rank 0."""
+
+    def training_step(self, batch, batch_idx):
+        import time
+
+        time.sleep(0.06 if self.global_rank == 1 else 0.01)
+        return super().training_step(batch, batch_idx)
+
+
+def _fit_forward(rank: int, world: int, port: int, out: str) -> None:
+    init_rank(rank, world, port)
+    # Both ranks' batches predicted alike: by prediction both bound every step.
+    monitor = BalanceMonitor(warmup_steps=1, timing="synchronize", print_report=False,
+                             cost_model=SimpleNamespace(predict=lambda b, s: 0.05))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world, strategy=pl.strategies.DDPStrategy(process_group_backend="gloo"),
+        max_steps=STEPS, callbacks=[monitor], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
+    )
+    trainer.fit(_SlowOnRank1(), datamodule=_Plan(rank))
+    torch.save({"observed": [(b, s, n) for b, s, _, n in monitor.observations(min_steps=1)]},
+               Path(out) / f"rank{rank}.pt")
+
+
+def test_under_ddp_only_the_rank_whose_forward_was_slowest_observes_a_step(tmp_path):
+    # Rank 0's batch (3 x 12) waits for rank 1's (1 x 24) at the gradient all-reduce every step: its step time is
+    # rank 1's, so only 1 x 24 is observed, on both ranks.
+    spawn(_fit_forward, 2, str(tmp_path))
+    for rank in (0, 1):
+        assert torch.load(tmp_path / f"rank{rank}.pt")["observed"] == [(1, 24, STEPS - 1)], rank
