@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     model = WanModel(config).cuda()
     model.init_weights()
     model.set_attention_backend(args.attention)
-    model.compile_blocks(options=options) if options else model.compile_blocks()
+    model.compile_blocks(options=options)  # an empty dict: the blocks' default options
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     pt, ph, pw = config.patch_size
     inputs = []
