@@ -343,12 +343,15 @@ class Decision:
         return self.tokens_per_s(replanned) / base - 1 if base > 0 else float("nan")
 
     def summary(self) -> str:
-        """One line: the verdict, the batch sizes that change, measured/predicted before and after, and the
-        shapes still more than :data:`CORRECTION_REL` off after correction (the worst three)."""
+        """One line: the verdict, the batch sizes that change (on a re-plan) or that the corrected policy would
+        change (kept: "not applied"), measured/predicted before and after, and the shapes still more than
+        :data:`CORRECTION_REL` off after correction (the worst three)."""
         verdict = "re-plan" if self.replan else "keep the plan"
         line = f"{verdict}: {self.gain:+.1%} predicted tokens/s under the corrected model (re-plan from {REPLAN_GAIN:.0%})"
         if self.batch_changes:
-            line += "; B " + ", ".join(f"S={s:,} {a}->{b}" for s, (a, b) in sorted(self.batch_changes.items()))
+            # Kept, the corrected policy's batch sizes are only what a re-plan would have trained.
+            line += ("; B " if self.replan else "; the corrected policy's B, not applied: ") + ", ".join(
+                f"S={s:,} {a}->{b}" for s, (a, b) in sorted(self.batch_changes.items()))
         else:
             line += "; no batch size changes"
         if self.observed:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 
+import pytest
 from benchmark_scripts import load_benchmark
 
 bench = load_benchmark("bench_quickstart")
@@ -39,3 +40,14 @@ def test_a_check_line_is_read_with_its_batch_size_changes():
                      "batch_changes": {"16": [203, 198], "1560": [34, 31]}, "off_after": []}
     assert second["replan"] and second["gain"] == 0.04 and second["batch_changes"] == {}
     assert second["off_after"] == [[60, 1560, 0.93, 9]] and second["ratio_after"] == [1.0, 0.93, 1.04]
+
+
+def test_a_kept_plans_batch_sizes_are_read_as_changes_not_applied():
+    log = ("`ShapeBenchmarkCallback`: step 50: keep the plan: +0.7% predicted tokens/s under the corrected model "
+           "(re-plan from 3%); the corrected policy's B, not applied: S=16 256->150, S=64 64->52; measured/predicted "
+           "over 7 shape(s), 58 steps: 1.11 (1.00-1.26) -> 1.00 (0.95-1.05); the plan now trains at 83,340 predicted "
+           "tokens/s (0.02 s on a background thread, applied at step 51; training waited 0.00 s)")
+    (decision,) = bench.parse_decisions(log)
+    assert not decision["replan"] and decision["gain"] == pytest.approx(0.007)
+    assert decision["batch_changes"] == {"16": [256, 150], "64": [64, 52]}
+    assert decision["predicted_tokens_per_s"] == 83340.0

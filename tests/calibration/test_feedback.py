@@ -92,6 +92,16 @@ def test_the_summary_names_the_shapes_the_correction_leaves_outside_the_band():
                          "13 x 120 0.79 (5 steps) and 2 more")
 
 
+def test_the_summary_says_whether_the_batch_size_changes_it_lists_were_applied():
+    changes = {16: (256, 150), 1560: (34, 25)}
+    kept = Decision(derivation=None, gain=0.007, replan=False, batch_changes=changes).summary()  # type: ignore[arg-type]
+    assert kept.startswith("keep the plan: +0.7% predicted tokens/s")
+    assert "; the corrected policy's B, not applied: S=16 256->150, S=1,560 34->25" in kept
+    replanned = Decision(derivation=None, gain=0.04, replan=True, batch_changes=changes).summary()  # type: ignore[arg-type]
+    assert replanned.startswith("re-plan: +4.0%") and "; B S=16 256->150, S=1,560 34->25" in replanned
+    assert "not applied" not in replanned
+
+
 def test_a_slow_bucket_gets_a_smaller_batch_and_a_replan_where_it_costs_throughput():
     cal = _calibration()
     running = _running(cal, balance="none")  # batches dealt at random: a slow batch holds its step up
