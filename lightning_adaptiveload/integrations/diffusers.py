@@ -66,7 +66,6 @@ from typing_extensions import override
 import lightning_adaptiveload.models.checkpointing as _checkpointing
 from lightning_adaptiveload._checks import check_positive_int, check_triple
 from lightning_adaptiveload.geometry import latent_of_grid, token_grid, tokens_of
-from lightning_adaptiveload.integrations.diffusers_attention import set_wan_attention_backend
 from lightning_adaptiveload.integrations.diffusers_families import (
     CONTEXT_MASK,
     FAMILIES,
@@ -724,15 +723,16 @@ class DiffusersVideoModule(RectifiedFlowModule):
     def _prepare_blocks(self, model: nn.Module) -> None:
         set_block_checkpointing(model, self._initial_checkpointing(), self.family.block_classes)
         self.family.prepare_model(model)
-        if self._attention_backend != "sdpa":
+        if self._attention_backend != "sdpa" and self._attention_backend in self.attention_backends:
+            # (One the family cannot run is refused at fit start, naming the fix: `_check_attention`.)
             self._set_model_attention(self._attention_backend, model)
 
     # ------------------------------------------------------------------ attention backend
     @property
     def attention_backends(self) -> tuple[str, ...]:
-        """``("sdpa", "fa4")`` for the Wan family (its attention processor runs the project's backends,
-        :mod:`~lightning_adaptiveload.integrations.diffusers_attention`); ``("sdpa",)`` for the others."""
-        return ("sdpa", "fa4") if self.family.name == "wan" else ("sdpa",)
+        """``("sdpa", "fa4")`` for Wan, HunyuanVideo and CogVideoX (their attention processors run the project's
+        backends, :mod:`~lightning_adaptiveload.integrations.diffusers_attention`); ``("sdpa",)`` for LTX-Video."""
+        return self.family.attention_backends
 
     @property
     def attention_heads(self) -> tuple[int, int]:
@@ -740,8 +740,8 @@ class DiffusersVideoModule(RectifiedFlowModule):
 
     def _set_model_attention(self, backend: str, model: nn.Module | None = None) -> None:
         model = model if model is not None else self.transformer
-        if model is not None and self.family.name == "wan":
-            set_wan_attention_backend(model, backend)
+        if model is not None:
+            self.family.set_attention_backend(model, backend)
 
     @override
     def configure_model(self) -> None:

@@ -32,6 +32,12 @@ from diffusers.models.transformers.transformer_ltx import LTXVideoTransformer3DM
 from diffusers.models.transformers.transformer_wan import WanTransformer3DModel, WanTransformerBlock
 from torch import nn
 
+from lightning_adaptiveload.integrations.diffusers_attention import (
+    HunyuanVideoBackendAttnProcessor,
+    set_cogvideox_attention_backend,
+    set_wan_attention_backend,
+)
+
 __all__ = ["FAMILIES", "VideoFamily", "family_of"]
 
 #: Batch key of the text mask ``[B, L]`` (1: a real token, 0: padding) and of a pooled text embedding
@@ -63,6 +69,8 @@ class VideoFamily:
     extra_keys: Mapping[str, bool] = {}
     #: Config keys of the repeated blocks' counts (the FLOP count is linear in each).
     layer_keys: tuple[str, ...] = ("num_layers",)
+    #: The attention backends the family's processors run (:mod:`~lightning_adaptiveload.integrations.diffusers_attention`).
+    attention_backends: tuple[str, ...] = ("sdpa",)
 
     def cfg(self, config: Mapping[str, Any], key: str) -> Any:
         """``config[key]``, or the constructor's default for a key the mapping leaves out."""
@@ -96,6 +104,12 @@ class VideoFamily:
     def prepare_model(self, model: nn.Module) -> None:
         """Once, after the model is built (or loaded) and its blocks set up: the family's own changes to it."""
 
+    def set_attention_backend(self, model: nn.Module, backend: str) -> None:
+        """Make ``model``'s attention run ``backend`` (one of :attr:`attention_backends`)."""
+        if backend != "sdpa":
+            raise ValueError(f"`{type(self).__name__}`: diffusers' {self.model_class.__name__} runs SDPA only, not "
+                             f"{backend!r}.")
+
     def check_text_len(self, config: Mapping[str, Any], text_len: int, owner: str) -> None:
         """Refuse a context length the model cannot take."""
 
@@ -119,6 +133,10 @@ class _Wan(VideoFamily):
     name = "wan"
     model_class = WanTransformer3DModel
     block_classes = (WanTransformerBlock,)
+    attention_backends = ("sdpa", "fa4")
+
+    def set_attention_backend(self, model, backend):
+        set_wan_attention_backend(model, backend)
 
     def patch_size(self, config):
         return tuple(int(p) for p in self.cfg(config, "patch_size"))
@@ -144,6 +162,7 @@ class _HunyuanVideo(VideoFamily):
     text_dim_key = "text_embed_dim"
     extra_keys = {CONTEXT_MASK: False, POOLED: True}
     layer_keys = ("num_layers", "num_single_layers")
+    attention_backends = ("sdpa", "fa4")
 
     def patch_size(self, config):
         p = int(self.cfg(config, "patch_size"))
@@ -180,13 +199,21 @@ class _HunyuanVideo(VideoFamily):
     def prepare_model(self, model: nn.Module) -> None:
         # diffusers builds a [B, 1, 1, S + L] joint mask even when every text token is real, and a masked SDPA
         # cannot use the flash or cuDNN kernels: the blocks' attention goes through one shared processor that
-        # drops the mask when predict() found every text token real (the same attention).
-        processor = _JointMaskProcessor()
+        # drops the mask when predict() found every text token real (the same attention) and runs the
+        # unmasked attention on the backend set_attention_backend gave it.
+        processor = HunyuanVideoBackendAttnProcessor()
         for block in (*model.transformer_blocks, *model.single_transformer_blocks):
             for attn in block.modules():
                 if type(getattr(attn, "processor", None)) is HunyuanVideoAttnProcessor2_0:
                     attn.set_processor(processor)
         model.__dict__[_JOINT_PROCESSOR] = processor
+
+    def set_attention_backend(self, model, backend):
+        processor = model.__dict__.get(_JOINT_PROCESSOR)
+        if processor is None:
+            raise RuntimeError(f"`{type(self).__name__}.set_attention_backend`: the model was not prepared "
+                               "(prepare_model installs its attention processor).")
+        processor.backend = backend
 
     @staticmethod
     def all_text_real(extras: Mapping[str, torch.Tensor], mask: torch.Tensor) -> bool:
@@ -198,24 +225,16 @@ class _HunyuanVideo(VideoFamily):
 _JOINT_PROCESSOR = "_adaptiveload_joint_processor"
 
 
-class _JointMaskProcessor(HunyuanVideoAttnProcessor2_0):
-    """diffusers' HunyuanVideo attention without its joint mask while ``drop_mask`` is set (every text token
-    real: the mask is all true)."""
-
-    drop_mask = False
-
-    def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
-                 attention_mask: torch.Tensor | None = None, image_rotary_emb: Any = None) -> torch.Tensor:
-        return super().__call__(attn, hidden_states, encoder_hidden_states,
-                                None if self.drop_mask else attention_mask, image_rotary_emb)
-
-
 class _CogVideoX(VideoFamily):
     name = "cogvideox"
     model_class = CogVideoXTransformer3DModel
     block_classes = (CogVideoXBlock,)
     joint_text = True
     text_dim_key = "text_embed_dim"
+    attention_backends = ("sdpa", "fa4")
+
+    def set_attention_backend(self, model, backend):
+        set_cogvideox_attention_backend(model, backend)
 
     def patch_size(self, config):
         p, pt = int(self.cfg(config, "patch_size")), self.cfg(config, "patch_size_t")

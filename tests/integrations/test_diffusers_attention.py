@@ -65,7 +65,7 @@ def test_fa4_in_diffusers_wan_matches_sdpa_on_gpu():
             assert ((p.grad.float() - grads[n]).norm() / grads[n].norm()).item() < 5e-2, n
 
 
-def test_diffusers_wan_module_switches_its_processors_and_other_families_run_sdpa_only():
+def test_diffusers_wan_module_switches_its_processors():
     from lightning_adaptiveload.integrations.diffusers import DiffusersWanModule
 
     module = DiffusersWanModule(_tiny(), text_len=7)
@@ -81,3 +81,104 @@ def test_diffusers_wan_module_switches_its_processors_and_other_families_run_sdp
     fixed = DiffusersWanModule(_tiny(), text_len=7, attention="fa4")
     with pytest.raises(ValueError, match=r"attention='fa4'\)` cannot run: FA4 runs on CUDA"):
         fixed.on_fit_start()
+
+
+# HunyuanVideo (dual- and single-stream blocks) and CogVideoX (text first) through their tiny Hydra configs, as
+# users pick them with `model=`, and Wan for the same module-level switch.
+FAMILIES = ["diffusers_hunyuan_video_tiny", "diffusers_cogvideox_tiny", "diffusers_wan2_1_tiny"]
+
+
+def _family_module(name, **overrides):
+    from pathlib import Path
+
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf, open_dict
+
+    import lightning_adaptiveload
+
+    node = OmegaConf.load(Path(lightning_adaptiveload.__file__).parent.parent / "conf" / "model" / f"{name}.yaml")
+    with open_dict(node):
+        node.update(overrides)
+    torch.manual_seed(0)
+    module = instantiate(node)
+    module.configure_model()
+    return module
+
+
+def _loss_and_grads(module, batch):
+    module.zero_grad(set_to_none=True)
+    loss = module.compute_loss(batch, torch.Generator().manual_seed(0))
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_each_familys_own_attention_path_gives_diffusers_loss_and_gradients(monkeypatch, name):
+    module = _family_module(name)
+    assert module.attention_backends == ("sdpa", "fa4")
+    batch = module.synthetic_batch(2, (3, 2, 2))  # frames > 1: the 3-D RoPE is exercised
+    want_loss, want = _loss_and_grads(module, batch)
+    shapes = []
+
+    def own(q, k, v, backend):  # on CPU the own path runs its attention through SDPA (FA4 needs a GPU)
+        shapes.append((backend, tuple(q.shape), tuple(k.shape)))
+        return attn.attention(q, k, v, "sdpa")
+
+    monkeypatch.setattr(da, "attention", own)
+    module._use_attention("fa4")
+    got_loss, got = _loss_and_grads(module, batch)
+    assert shapes and all(b == "fa4" for b, _, _ in shapes)
+    heads, head_dim = module.attention_heads
+    if name != "diffusers_wan2_1_tiny":  # joint attention: video and text tokens in one (B, S, H, D) sequence
+        assert all(q == (2, 12 + module.hparams["text_len"], heads, head_dim) for _, q, _ in shapes)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-7)
+    assert got.keys() == want.keys()
+    for n, g in want.items():
+        assert ((got[n] - g).norm() / g.norm().clamp_min(1e-12)).item() < 1e-4, n
+    # Back to "sdpa": diffusers' own processors' path, bit-equal.
+    module._use_attention("sdpa")
+    shapes.clear()
+    assert torch.equal(_loss_and_grads(module, batch)[0], want_loss) and not shapes
+
+
+def test_hunyuan_keeps_a_padded_joint_mask_on_diffusers_masked_path(monkeypatch):
+    module = _family_module("diffusers_hunyuan_video_tiny")
+    batch = module.synthetic_batch(2, (1, 2, 2))
+    padded = dict(batch, context_mask=torch.tensor([[1] * 5 + [0] * 3] * 2))
+    want = module.compute_loss(padded, torch.Generator().manual_seed(0))
+    monkeypatch.setattr(da, "attention", lambda *a: pytest.fail("a masked batch reached the unmasked kernel"))
+    module._use_attention("fa4")
+    assert torch.equal(module.compute_loss(padded, torch.Generator().manual_seed(0)), want)
+
+
+def test_ltx_video_runs_sdpa_only_and_refuses_fa4_in_one_line():
+    module = _family_module("diffusers_ltx_video_tiny")
+    assert module.attention_backends == ("sdpa",)
+    with pytest.raises(ValueError, match=r"DiffusersVideoModule\(attention='fa4'\)` is not available for this model "
+                                         r"\(it runs \['sdpa'\]\). Use attention='auto' or 'sdpa'"):
+        _family_module("diffusers_ltx_video_tiny", attention="fa4")._check_attention()  # what fit start calls
+
+
+def test_bad_backend_is_refused_by_every_setter():
+    with pytest.raises(ValueError, match=r"set_cogvideox_attention_backend\(backend='flash'\)` is not valid"):
+        da.set_cogvideox_attention_backend(_family_module("diffusers_cogvideox_tiny").transformer, "flash")
+    with pytest.raises(ValueError, match=r"HunyuanVideoBackendAttnProcessor\(backend='flash'\)` is not valid"):
+        da.HunyuanVideoBackendAttnProcessor("flash")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", FAMILIES[:2])
+def test_fa4_in_hunyuan_and_cogvideox_matches_sdpa_on_gpu(name):
+    module = _family_module(name).to("cuda", torch.bfloat16)
+    heads, head_dim = module.attention_heads
+    if reason := attn.fa4_unsupported_reason("cuda", torch.bfloat16, head_dim):
+        pytest.skip(reason)
+    batch = {k: v.to("cuda", torch.bfloat16) if v.is_floating_point() else v.to("cuda")
+             for k, v in module.synthetic_batch(2, (3, 4, 4)).items() if isinstance(v, torch.Tensor)}
+    want_loss, want = _loss_and_grads(module, batch)
+    module._use_attention("fa4")
+    got_loss, got = _loss_and_grads(module, batch)
+    assert abs(got_loss.float() - want_loss.float()) / want_loss.float().abs() < 2e-2
+    for n, g in want.items():
+        if g.float().norm() > 0:
+            assert ((got[n].float() - g.float()).norm() / g.float().norm()).item() < 5e-2, n
