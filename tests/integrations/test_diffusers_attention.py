@@ -107,7 +107,7 @@ def _family_module(name, **overrides):
 
 def _loss_and_grads(module, batch):
     module.zero_grad(set_to_none=True)
-    loss = module.compute_loss(batch, torch.Generator().manual_seed(0))
+    loss = module.compute_loss(batch, torch.Generator(device=module.device).manual_seed(0))
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
 
@@ -177,7 +177,14 @@ def test_fa4_in_hunyuan_and_cogvideox_matches_sdpa_on_gpu(name):
              for k, v in module.synthetic_batch(2, (3, 4, 4)).items() if isinstance(v, torch.Tensor)}
     want_loss, want = _loss_and_grads(module, batch)
     module._use_attention("fa4")
-    got_loss, got = _loss_and_grads(module, batch)
+    calls = []
+    real = da.attention
+    da.attention = lambda q, k, v, backend: calls.append(backend) or real(q, k, v, backend)
+    try:
+        got_loss, got = _loss_and_grads(module, batch)
+    finally:
+        da.attention = real
+    assert calls and set(calls) == {"fa4"}  # every attention of the model ran FA4
     assert abs(got_loss.float() - want_loss.float()) / want_loss.float().abs() < 2e-2
     for n, g in want.items():
         if g.float().norm() > 0:
