@@ -16,6 +16,8 @@ diffusers' own processor, unchanged:
   unmasked kernels run.
 - :class:`CogVideoXBackendAttnProcessor`: CogVideoX's joint attention (text first), RoPE on the video tokens;
   :func:`set_cogvideox_attention_backend` installs it.
+- :class:`LTXVideoBackendAttnProcessor`: LTX-Video's self-attention (RoPE over the flat channels) and its
+  cross-attention to text, which, like HunyuanVideo's, drops the text mask while ``drop_mask`` is set.
 
 Each is cheap enough to switch per batch (the backend is an attribute).
 """
@@ -28,6 +30,8 @@ import torch
 from diffusers.models.attention_processor import Attention, CogVideoXAttnProcessor2_0
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_hunyuan_video import HunyuanVideoAttnProcessor2_0
+from diffusers.models.transformers.transformer_ltx import LTXVideoAttnProcessor
+from diffusers.models.transformers.transformer_ltx import apply_rotary_emb as ltx_rotary
 from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnProcessor, _get_qkv_projections
 
 from lightning_adaptiveload.ops.attention import ATTENTION_BACKENDS, attention
@@ -35,6 +39,7 @@ from lightning_adaptiveload.ops.attention import ATTENTION_BACKENDS, attention
 __all__ = [
     "CogVideoXBackendAttnProcessor",
     "HunyuanVideoBackendAttnProcessor",
+    "LTXVideoBackendAttnProcessor",
     "WanBackendAttnProcessor",
     "set_cogvideox_attention_backend",
     "set_wan_attention_backend",
@@ -49,16 +54,32 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).type_as(x)
 
 
-class WanBackendAttnProcessor(WanAttnProcessor):
+def _check_backend(backend: str, who: str) -> None:
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"`{who}(backend={backend!r})` is not valid. Expected one of {list(ATTENTION_BACKENDS)}.")
+
+
+class _OnBackend:
+    """What the processors below share: the backend their unmasked path runs (``"sdpa"``: the diffusers
+    processor's own path) and, for the families that build a text mask, :attr:`drop_mask`."""
+
+    #: Every text token of the batch is real, so the mask diffusers built from the text mask changes nothing
+    #: and is left out (a masked SDPA cannot use the flash or cuDNN kernels, nor FA4 run at all). Set per
+    #: batch by the family (:meth:`~lightning_adaptiveload.integrations.diffusers_families.VideoFamily.drop_mask_if_real`).
+    drop_mask = False
+
+    def __init__(self, backend: str = "sdpa") -> None:
+        super().__init__()
+        _check_backend(backend, type(self).__name__)
+        self.backend = backend
+
+
+class WanBackendAttnProcessor(_OnBackend, WanAttnProcessor):
     """``WanAttnProcessor`` with the text-to-video path on a project attention backend.
 
     Args:
         backend: ``"sdpa"`` (diffusers' own path) or ``"fa4"``.
     """
-
-    def __init__(self, backend: str = "sdpa") -> None:
-        super().__init__()
-        self.backend = backend
 
     def __call__(
         self,
@@ -91,12 +112,7 @@ def _rope(x: torch.Tensor, rotary: Any, start: int, stop: int | None) -> torch.T
     return torch.cat([p for p in parts if p.shape[1]], dim=1)
 
 
-def _check_backend(backend: str, who: str) -> None:
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"`{who}(backend={backend!r})` is not valid. Expected one of {list(ATTENTION_BACKENDS)}.")
-
-
-class HunyuanVideoBackendAttnProcessor(HunyuanVideoAttnProcessor2_0):
+class HunyuanVideoBackendAttnProcessor(_OnBackend, HunyuanVideoAttnProcessor2_0):
     """``HunyuanVideoAttnProcessor2_0`` with its unmasked path on a project attention backend, and without the
     joint mask while :attr:`drop_mask` is set. One instance serves every block of a model (the family sets
     ``drop_mask`` per batch and the backend per bucket).
@@ -104,15 +120,6 @@ class HunyuanVideoBackendAttnProcessor(HunyuanVideoAttnProcessor2_0):
     Args:
         backend: ``"sdpa"`` (diffusers' own path) or ``"fa4"``.
     """
-
-    #: Every text token of the batch is real: diffusers' joint mask is all true, so attention runs unmasked
-    #: (a masked SDPA cannot use the flash or cuDNN kernels).
-    drop_mask = False
-
-    def __init__(self, backend: str = "sdpa") -> None:
-        super().__init__()
-        _check_backend(backend, type(self).__name__)
-        self.backend = backend
 
     def __call__(self, attn: Attention, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, image_rotary_emb: Any = None) -> Any:
@@ -149,17 +156,12 @@ class HunyuanVideoBackendAttnProcessor(HunyuanVideoAttnProcessor2_0):
         return out, text_out
 
 
-class CogVideoXBackendAttnProcessor(CogVideoXAttnProcessor2_0):
+class CogVideoXBackendAttnProcessor(_OnBackend, CogVideoXAttnProcessor2_0):
     """``CogVideoXAttnProcessor2_0`` with its unmasked path on a project attention backend.
 
     Args:
         backend: ``"sdpa"`` (diffusers' own path) or ``"fa4"``.
     """
-
-    def __init__(self, backend: str = "sdpa") -> None:
-        super().__init__()
-        _check_backend(backend, type(self).__name__)
-        self.backend = backend
 
     def __call__(self, attn: Attention, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
                  attention_mask: torch.Tensor | None = None, image_rotary_emb: Any = None) -> Any:
@@ -179,6 +181,29 @@ class CogVideoXBackendAttnProcessor(CogVideoXAttnProcessor2_0):
         out = attention(query, key, value, self.backend).flatten(2, 3)
         out = attn.to_out[1](attn.to_out[0](out))
         return out[:, text:], out[:, :text]
+
+
+class LTXVideoBackendAttnProcessor(_OnBackend, LTXVideoAttnProcessor):
+    """``LTXVideoAttnProcessor`` with its unmasked path on a project attention backend, and without the text
+    mask while :attr:`drop_mask` is set. One instance serves every attention of a model.
+
+    Args:
+        backend: ``"sdpa"`` (diffusers' own path) or ``"fa4"``.
+    """
+
+    def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None, image_rotary_emb: Any = None) -> torch.Tensor:
+        mask = None if self.drop_mask else attention_mask
+        if self.backend == "sdpa" or mask is not None:
+            return super().__call__(attn, hidden_states, encoder_hidden_states, mask, image_rotary_emb)
+        source = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        query = attn.norm_q(attn.to_q(hidden_states))
+        key = attn.norm_k(attn.to_k(source))
+        if image_rotary_emb is not None:  # over the flat channels, before the heads split (LTX's RoPE)
+            query, key = ltx_rotary(query, image_rotary_emb), ltx_rotary(key, image_rotary_emb)
+        out = attention(_heads(query, attn), _heads(key, attn), _heads(attn.to_v(source), attn), self.backend)
+        out = out.flatten(2, 3).to(query.dtype)
+        return attn.to_out[1](attn.to_out[0](out))
 
 
 def _install(transformer: torch.nn.Module, backend: str, wants: Any, cls: type, who: str) -> int:

@@ -28,12 +28,17 @@ from diffusers.models.transformers.transformer_hunyuan_video import (
     HunyuanVideoTransformer3DModel,
     HunyuanVideoTransformerBlock,
 )
-from diffusers.models.transformers.transformer_ltx import LTXVideoTransformer3DModel, LTXVideoTransformerBlock
+from diffusers.models.transformers.transformer_ltx import (
+    LTXVideoAttnProcessor,
+    LTXVideoTransformer3DModel,
+    LTXVideoTransformerBlock,
+)
 from diffusers.models.transformers.transformer_wan import WanTransformer3DModel, WanTransformerBlock
 from torch import nn
 
 from lightning_adaptiveload.integrations.diffusers_attention import (
     HunyuanVideoBackendAttnProcessor,
+    LTXVideoBackendAttnProcessor,
     set_cogvideox_attention_backend,
     set_wan_attention_backend,
 )
@@ -105,10 +110,38 @@ class VideoFamily:
         """Once, after the model is built (or loaded) and its blocks set up: the family's own changes to it."""
 
     def set_attention_backend(self, model: nn.Module, backend: str) -> None:
-        """Make ``model``'s attention run ``backend`` (one of :attr:`attention_backends`)."""
-        if backend != "sdpa":
-            raise ValueError(f"`{type(self).__name__}`: diffusers' {self.model_class.__name__} runs SDPA only, not "
-                             f"{backend!r}.")
+        """Make ``model``'s attention run ``backend`` (one of :attr:`attention_backends`); by default on the
+        processor :meth:`share_processor` installed."""
+        processor = model.__dict__.get(_SHARED_PROCESSOR)
+        if processor is None and backend == "sdpa":
+            return  # diffusers' own processors run SDPA
+        if processor is None:
+            raise RuntimeError(f"`{type(self).__name__}.set_attention_backend`: the model was not prepared "
+                               "(prepare_model installs its attention processor).")
+        processor.backend = backend
+
+    @staticmethod
+    def share_processor(model: nn.Module, processor: Any, replaces: type) -> None:
+        """Put one ``processor`` on every attention module of ``model`` whose processor is exactly ``replaces``
+        (diffusers' own), and keep it on the model (outside its module tree) for :meth:`drop_mask_if_real` and
+        :meth:`set_attention_backend`. diffusers builds a mask from the text mask even when every text token
+        is real, and a masked SDPA cannot use the flash or cuDNN kernels, nor FA4 run at all: the shared
+        processor drops it for the batches :meth:`drop_mask_if_real` found unpadded (the same attention)."""
+        for module in model.modules():
+            if type(getattr(module, "processor", None)) is replaces:
+                module.set_processor(processor)
+        model.__dict__[_SHARED_PROCESSOR] = processor
+
+    def drop_mask_if_real(self, model: nn.Module, extras: Mapping[str, torch.Tensor], mask: torch.Tensor) -> None:
+        """Before a forward: let the shared processor drop the model's text mask where every token is real."""
+        processor = model.__dict__.get(_SHARED_PROCESSOR)
+        if processor is not None:  # one host sync a step when the batch carries a mask
+            processor.drop_mask = self.all_text_real(extras, mask)
+
+    @staticmethod
+    def all_text_real(extras: Mapping[str, torch.Tensor], mask: torch.Tensor) -> bool:
+        """Whether every text token of the batch is real (no mask given, or an all-ones one)."""
+        return CONTEXT_MASK not in extras or bool(mask.all())
 
     def check_text_len(self, config: Mapping[str, Any], text_len: int, owner: str) -> None:
         """Refuse a context length the model cannot take."""
@@ -191,38 +224,16 @@ class _HunyuanVideo(VideoFamily):
             guidance = torch.full((x.shape[0],), float(options["guidance_scale"]) * 1000.0, device=x.device,
                                   dtype=x.dtype)
         mask = self.mask(extras, context)
-        processor = model.__dict__.get(_JOINT_PROCESSOR)
-        if processor is not None:  # one host sync a step when the batch carries a mask
-            processor.drop_mask = self.all_text_real(extras, mask)
+        self.drop_mask_if_real(model, extras, mask)
         return model(x, t, context, mask, extras[POOLED].to(x.dtype), guidance=guidance, return_dict=False)[0]
 
     def prepare_model(self, model: nn.Module) -> None:
-        # diffusers builds a [B, 1, 1, S + L] joint mask even when every text token is real, and a masked SDPA
-        # cannot use the flash or cuDNN kernels: the blocks' attention goes through one shared processor that
-        # drops the mask when predict() found every text token real (the same attention) and runs the
-        # unmasked attention on the backend set_attention_backend gave it.
-        processor = HunyuanVideoBackendAttnProcessor()
-        for block in (*model.transformer_blocks, *model.single_transformer_blocks):
-            for attn in block.modules():
-                if type(getattr(attn, "processor", None)) is HunyuanVideoAttnProcessor2_0:
-                    attn.set_processor(processor)
-        model.__dict__[_JOINT_PROCESSOR] = processor
-
-    def set_attention_backend(self, model, backend):
-        processor = model.__dict__.get(_JOINT_PROCESSOR)
-        if processor is None:
-            raise RuntimeError(f"`{type(self).__name__}.set_attention_backend`: the model was not prepared "
-                               "(prepare_model installs its attention processor).")
-        processor.backend = backend
-
-    @staticmethod
-    def all_text_real(extras: Mapping[str, torch.Tensor], mask: torch.Tensor) -> bool:
-        """Whether every text token of the batch is real (no mask given, or an all-ones one)."""
-        return CONTEXT_MASK not in extras or bool(mask.all())
+        # The joint [B, 1, 1, S + L] mask is dropped for unpadded batches (share_processor).
+        self.share_processor(model, HunyuanVideoBackendAttnProcessor(), HunyuanVideoAttnProcessor2_0)
 
 
-#: Where a prepared HunyuanVideo keeps its blocks' shared attention processor (outside the module tree).
-_JOINT_PROCESSOR = "_adaptiveload_joint_processor"
+#: Where a prepared model keeps its blocks' shared attention processor (outside the module tree).
+_SHARED_PROCESSOR = "_adaptiveload_shared_processor"
 
 
 class _CogVideoX(VideoFamily):
@@ -302,10 +313,16 @@ class _LTXVideo(VideoFamily):
     vae_stride = (8, 32, 32)
     text_dim_key = "caption_channels"
     extra_keys = {CONTEXT_MASK: False}
+    attention_backends = ("sdpa", "fa4")
 
     def patch_size(self, config):
         p = int(self.cfg(config, "patch_size"))
         return int(self.cfg(config, "patch_size_t")), p, p
+
+    def prepare_model(self, model: nn.Module) -> None:
+        # The cross-attention's text mask (a bias of zeros where every token is real) is dropped for unpadded
+        # batches (share_processor); self-attention has none.
+        self.share_processor(model, LTXVideoBackendAttnProcessor(), LTXVideoAttnProcessor)
 
     def latent_channels(self, config):
         pt, ph, pw = self.patch_size(config)
@@ -328,7 +345,9 @@ class _LTXVideo(VideoFamily):
         st, sh, sw = options["vae_stride"]
         # RoPE coordinates in seconds and pixels, as LTX-Video's pipelines scale them.
         scale = (st / float(options["frame_rate"]), float(sh), float(sw))
-        out = model(tokens, context, t, self.mask(extras, context), num_frames=f, height=h, width=w,
+        mask = self.mask(extras, context)
+        self.drop_mask_if_real(model, extras, mask)
+        out = model(tokens, context, t, mask, num_frames=f, height=h, width=w,
                     rope_interpolation_scale=scale, return_dict=False)[0]
         out = out.reshape(b, f, h, w, -1, pt, ph, pw).permute(0, 4, 1, 5, 2, 6, 3, 7)
         return out.reshape(b, -1, frames, height, width)

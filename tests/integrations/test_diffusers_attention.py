@@ -83,9 +83,12 @@ def test_diffusers_wan_module_switches_its_processors():
         fixed.on_fit_start()
 
 
-# HunyuanVideo (dual- and single-stream blocks) and CogVideoX (text first) through their tiny Hydra configs, as
-# users pick them with `model=`, and Wan for the same module-level switch.
-FAMILIES = ["diffusers_hunyuan_video_tiny", "diffusers_cogvideox_tiny", "diffusers_wan2_1_tiny"]
+# HunyuanVideo (dual- and single-stream blocks), CogVideoX (text first) and LTX-Video (self-attention with RoPE over
+# the flat channels, cross-attention with the text mask) through their tiny Hydra configs, as users pick them with
+# `model=`, and Wan for the same module-level switch.
+FAMILIES = ["diffusers_hunyuan_video_tiny", "diffusers_cogvideox_tiny", "diffusers_ltx_video_tiny",
+            "diffusers_wan2_1_tiny"]
+JOINT = ("diffusers_hunyuan_video_tiny", "diffusers_cogvideox_tiny")
 
 
 def _family_module(name, **overrides):
@@ -117,6 +120,7 @@ def test_each_familys_own_attention_path_gives_diffusers_loss_and_gradients(monk
     module = _family_module(name)
     assert module.attention_backends == ("sdpa", "fa4")
     batch = module.synthetic_batch(2, (3, 2, 2))  # frames > 1: the 3-D RoPE is exercised
+    video = 3 * 2 * 2
     want_loss, want = _loss_and_grads(module, batch)
     shapes = []
 
@@ -129,8 +133,12 @@ def test_each_familys_own_attention_path_gives_diffusers_loss_and_gradients(monk
     got_loss, got = _loss_and_grads(module, batch)
     assert shapes and all(b == "fa4" for b, _, _ in shapes)
     heads, head_dim = module.attention_heads
-    if name != "diffusers_wan2_1_tiny":  # joint attention: video and text tokens in one (B, S, H, D) sequence
-        assert all(q == (2, 12 + module.hparams["text_len"], heads, head_dim) for _, q, _ in shapes)
+    text = module.hparams["text_len"]
+    if name in JOINT:  # joint attention: video and text tokens in one (B, S, H, D) sequence
+        assert all(q == k == (2, video + text, heads, head_dim) for _, q, k in shapes)
+    else:  # self-attention over the video tokens and cross-attention to the text, each on the own path
+        assert {(q, k) for _, q, k in shapes} == {((2, video, heads, head_dim), (2, n, heads, head_dim))
+                                                  for n in (video, text)}
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-7)
     assert got.keys() == want.keys()
     for n, g in want.items():
@@ -141,22 +149,23 @@ def test_each_familys_own_attention_path_gives_diffusers_loss_and_gradients(monk
     assert torch.equal(_loss_and_grads(module, batch)[0], want_loss) and not shapes
 
 
-def test_hunyuan_keeps_a_padded_joint_mask_on_diffusers_masked_path(monkeypatch):
-    module = _family_module("diffusers_hunyuan_video_tiny")
+@pytest.mark.parametrize("name", ["diffusers_hunyuan_video_tiny", "diffusers_ltx_video_tiny"])
+def test_a_padded_text_mask_keeps_diffusers_masked_path(monkeypatch, name):
+    module = _family_module(name)
     batch = module.synthetic_batch(2, (1, 2, 2))
     padded = dict(batch, context_mask=torch.tensor([[1] * 5 + [0] * 3] * 2))
     want = module.compute_loss(padded, torch.Generator().manual_seed(0))
-    monkeypatch.setattr(da, "attention", lambda *a: pytest.fail("a masked batch reached the unmasked kernel"))
+    backends = []
+    real = da.attention
+    monkeypatch.setattr(da, "attention", lambda q, k, v, backend: backends.append((q.shape, k.shape)) or real(
+        q, k, v, "sdpa"))
     module._use_attention("fa4")
-    assert torch.equal(module.compute_loss(padded, torch.Generator().manual_seed(0)), want)
-
-
-def test_ltx_video_runs_sdpa_only_and_refuses_fa4_in_one_line():
-    module = _family_module("diffusers_ltx_video_tiny")
-    assert module.attention_backends == ("sdpa",)
-    with pytest.raises(ValueError, match=r"DiffusersVideoModule\(attention='fa4'\)` is not available for this model "
-                                         r"\(it runs \['sdpa'\]\). Use attention='auto' or 'sdpa'"):
-        _family_module("diffusers_ltx_video_tiny", attention="fa4")._check_attention()  # what fit start calls
+    got = module.compute_loss(padded, torch.Generator().manual_seed(0))
+    if name == "diffusers_hunyuan_video_tiny":  # the joint mask covers every attention: none on the own path
+        assert not backends and torch.equal(got, want)
+    else:  # LTX: self-attention (no mask) on the own path, the masked cross-attention on diffusers'
+        assert backends and all(q == k for q, k in backends)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
 def test_bad_backend_is_refused_by_every_setter():
@@ -167,8 +176,8 @@ def test_bad_backend_is_refused_by_every_setter():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", FAMILIES[:2])
-def test_fa4_in_hunyuan_and_cogvideox_matches_sdpa_on_gpu(name):
+@pytest.mark.parametrize("name", FAMILIES[:3])
+def test_fa4_in_hunyuan_cogvideox_and_ltx_matches_sdpa_on_gpu(name):
     module = _family_module(name).to("cuda", torch.bfloat16)
     heads, head_dim = module.attention_heads
     if reason := attn.fa4_unsupported_reason("cuda", torch.bfloat16, head_dim):
