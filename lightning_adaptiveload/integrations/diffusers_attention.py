@@ -1,5 +1,5 @@
-"""The project's attention backends inside diffusers' video transformers: processors for Wan, HunyuanVideo and
-CogVideoX.
+"""The project's attention backends inside diffusers' video transformers: processors for Wan, HunyuanVideo,
+CogVideoX and LTX-Video.
 
 diffusers' dispatcher (``diffusers.models.attention_dispatch``) offers FlashAttention-4 only as a kernel
 downloaded from the Hub (``flash_4_hub``), and its registry is keyed by a closed enum, so a local backend
