@@ -8,6 +8,9 @@ Recipe runs: ``BalanceMonitor`` means and the epoch estimate (``metrics.json``),
 GPU's peak (989 TFLOP/s dense bf16 on an H100/H200).
 
     python benchmarks/bench_attention.py --kernels                                  # GPU: the kernel table
+    python benchmarks/bench_attention.py --kernels --heads 24 --head-dim 128         # HunyuanVideo's heads
+    python benchmarks/bench_attention.py --kernels --heads 48 --head-dim 64 \\
+        --lengths 1576 17776                                                         # CogVideoX-5B, 480 x 720: image, 49 frames (+ 226 text)
     python benchmarks/bench_attention.py --name wan480p -- experiment=wan2_1_1_3b_480p trainer.devices=1 \\
         trainer.max_steps=50                                                         # GPU: sdpa vs auto
 Appends one record per call to ``benchmarks/results/attention.json`` (``--out``).
@@ -30,12 +33,12 @@ from bench_quickstart import run_train  # noqa: E402
 LENGTHS = (1560, 3600, 7800, 20280, 32760, 75600)
 
 
-def kernels(tokens: int, heads: int, head_dim: int) -> dict:
+def kernels(tokens: int, heads: int, head_dim: int, lengths: tuple[int, ...] = LENGTHS) -> dict:
     from lightning_adaptiveload.ops.attention import available_backends, time_backends
 
     backends = available_backends("cuda", torch.bfloat16, head_dim)
     rows = []
-    for s in LENGTHS:
+    for s in lengths:
         ms = time_backends([s], heads, head_dim, device="cuda", tokens=tokens, repeats=10, warmup=3)[s]
         b = max(1, tokens // s)
         flops = 3.5 * 4 * b * s * s * heads * head_dim
@@ -62,15 +65,26 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--kernels", action="store_true", help="time the backends' kernels only")
     p.add_argument("--tokens", type=int, default=39_000, help="tokens per timed kernel batch")
+    p.add_argument("--heads", type=int, default=12, help="attention heads of the timed kernels (Wan 1.3B: 12)")
+    p.add_argument("--head-dim", type=int, default=128, help="head dim of the timed kernels (Wan: 128)")
+    p.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS),
+                   help="sequence lengths of the timed kernels (attention tokens: video + joint text)")
     p.add_argument("--name", help="what the recipe runs are, stored with the record")
     p.add_argument("--timeout", type=int, default=400)
     p.add_argument("--work", type=Path, default=None, help="keep the runs' output here (default: a temp dir)")
     p.add_argument("--out", type=Path, default=RESULTS / "attention.json")
     p.add_argument("overrides", nargs="*", help="Hydra overrides of both recipe runs")
     args = p.parse_args(argv)
+    for name in ("tokens", "heads", "head_dim"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)} is not valid: expected a positive integer")
+    if min(args.lengths) < 1:
+        p.error(f"--lengths {args.lengths} is not valid: expected positive integers")
     run = run_info()
     if args.kernels:
-        result = kernels(args.tokens, 12, 128)
+        if not torch.cuda.is_available():
+            p.error("--kernels times CUDA kernels: run it on a GPU machine")
+        result = kernels(args.tokens, args.heads, args.head_dim, tuple(args.lengths))
         append_record(args.out, "bench_attention.py", result, run)
         return 0
     if not args.name:
