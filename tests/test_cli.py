@@ -11,6 +11,7 @@ import re
 import shlex
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -517,3 +518,36 @@ def test_simulate_takes_the_checkpointing_tiers_from_a_calibration_file(tmp_path
     assert "M_mem = 90,000 tokens" in out and "0 samples above it" in out  # 720p clips train in 'selective'
     assert "checkpointing per bucket: 'none' up to S=32,760 (M_mem 40,000), 'selective' up to S=75,600" in out
     assert "TieredPolicy(" in out
+
+
+def test_the_console_script_leaves_out_only_torchs_deprecations_of_lightnings_calls():
+    from lightning_adaptiveload.cli import train as cli_train
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        cli_train.quiet_upstream_deprecations()  # what main() does first
+        warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated, use `isinstance(treespec, TreeSpec) and "
+                      "treespec.is_leaf()` instead.", FutureWarning, stacklevel=1)
+        warnings.warn("torch.distributed.nn.functional.all_gather is deprecated, use "
+                      "torch.distributed._functional_collectives.all_gather_single instead.", FutureWarning,
+                      stacklevel=1)
+        warnings.warn("torch.distributed.nn.functional.broadcast is deprecated", FutureWarning,  # not ours to hide
+                      stacklevel=1)
+        warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated", UserWarning,  # another category stays
+                      stacklevel=1)
+    assert [(type(w.message), str(w.message)) for w in seen] == [
+        (FutureWarning, "torch.distributed.nn.functional.broadcast is deprecated"),
+        (UserWarning, "`isinstance(treespec, LeafSpec)` is deprecated"),
+    ]
+
+
+@pytest.mark.slow  # ~25 s on a 2-core CPU: the quickstart's two ranks for a few steps
+def test_the_quickstart_prints_no_deprecation_of_lightnings_torch_calls(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "lightning_adaptiveload.train", "trainer.max_steps=3",
+                           f"output_dir={tmp_path}", f"hydra.run.dir={tmp_path}",
+                           f"callbacks.shape_benchmark.cache_dir={tmp_path / 'cache'}"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout + proc.stderr
+    assert "Final metrics" in out
+    assert "LeafSpec" not in out and "functional.all_gather is deprecated" not in out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -149,9 +150,26 @@ def train(cfg: DictConfig) -> dict[str, float]:
     return metrics
 
 
+#: FutureWarnings torch raises about Lightning's own calls (Lightning 2.6 on torch 2.13: its pytree helper builds
+#: ``LeafSpec``s, its ``all_gather`` calls ``torch.distributed.nn.functional.all_gather``): printed by every rank of
+#: every run, about code a user does not write and cannot change. The console script leaves them out; the library
+#: does not filter warnings.
+UPSTREAM_DEPRECATIONS = (
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+    r"torch\.distributed\.nn\.functional\.all_gather is deprecated",
+)
+
+
+def quiet_upstream_deprecations() -> None:
+    """Leave out :data:`UPSTREAM_DEPRECATIONS` (only those FutureWarnings; every other warning still shows)."""
+    for message in UPSTREAM_DEPRECATIONS:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+
+
 def main() -> None:
     """Console script ``adaptiveload-train``: overrides of keys the config lacks are answered with the fix
     (:func:`~.checks.check_overrides`), the rest is Hydra's app (:func:`_hydra_main`)."""
+    quiet_upstream_deprecations()
     try:
         checks.check_overrides(sys.argv[1:], _config_path())
     except checks.ConfigError as err:
