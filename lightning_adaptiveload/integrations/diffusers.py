@@ -730,8 +730,8 @@ class DiffusersVideoModule(RectifiedFlowModule):
     # ------------------------------------------------------------------ attention backend
     @property
     def attention_backends(self) -> tuple[str, ...]:
-        """``("sdpa", "fa4")`` for Wan, HunyuanVideo and CogVideoX (their attention processors run the project's
-        backends, :mod:`~lightning_adaptiveload.integrations.diffusers_attention`); ``("sdpa",)`` for LTX-Video."""
+        """The family's (``("sdpa", "fa4")`` for each of diffusers' video families: their attention processors run
+        the project's backends, :mod:`~lightning_adaptiveload.integrations.diffusers_attention`)."""
         return self.family.attention_backends
 
     @property

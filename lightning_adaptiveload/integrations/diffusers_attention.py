@@ -14,12 +14,13 @@ diffusers' own processor, unchanged:
   the text's own projections; single-stream: text and video in one sequence), RoPE on the video tokens. It
   also drops diffusers' all-true joint mask while ``drop_mask`` is set (every text token real), so the
   unmasked kernels run.
-- :class:`CogVideoXBackendAttnProcessor`: CogVideoX's joint attention (text first), RoPE on the video tokens;
-  :func:`set_cogvideox_attention_backend` installs it.
+- :class:`CogVideoXBackendAttnProcessor`: CogVideoX's joint attention (text first), RoPE on the video tokens.
 - :class:`LTXVideoBackendAttnProcessor`: LTX-Video's self-attention (RoPE over the flat channels) and its
   cross-attention to text, which, like HunyuanVideo's, drops the text mask while ``drop_mask`` is set.
 
-Each is cheap enough to switch per batch (the backend is an attribute).
+``DiffusersVideoModule`` puts one instance on every attention of a model
+(:meth:`~lightning_adaptiveload.integrations.diffusers_families.VideoFamily.share_processor`) and switches its
+backend per batch (an attribute).
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ __all__ = [
     "HunyuanVideoBackendAttnProcessor",
     "LTXVideoBackendAttnProcessor",
     "WanBackendAttnProcessor",
-    "set_cogvideox_attention_backend",
     "set_wan_attention_backend",
 ]
 
@@ -114,8 +114,7 @@ def _rope(x: torch.Tensor, rotary: Any, start: int, stop: int | None) -> torch.T
 
 class HunyuanVideoBackendAttnProcessor(_OnBackend, HunyuanVideoAttnProcessor2_0):
     """``HunyuanVideoAttnProcessor2_0`` with its unmasked path on a project attention backend, and without the
-    joint mask while :attr:`drop_mask` is set. One instance serves every block of a model (the family sets
-    ``drop_mask`` per batch and the backend per bucket).
+    joint mask while :attr:`drop_mask` is set.
 
     Args:
         backend: ``"sdpa"`` (diffusers' own path) or ``"fa4"``.
@@ -185,7 +184,7 @@ class CogVideoXBackendAttnProcessor(_OnBackend, CogVideoXAttnProcessor2_0):
 
 class LTXVideoBackendAttnProcessor(_OnBackend, LTXVideoAttnProcessor):
     """``LTXVideoAttnProcessor`` with its unmasked path on a project attention backend, and without the text
-    mask while :attr:`drop_mask` is set. One instance serves every attention of a model.
+    mask while :attr:`drop_mask` is set.
 
     Args:
         backend: ``"sdpa"`` (diffusers' own path) or ``"fa4"``.
@@ -206,28 +205,16 @@ class LTXVideoBackendAttnProcessor(_OnBackend, LTXVideoAttnProcessor):
         return attn.to_out[1](attn.to_out[0](out))
 
 
-def _install(transformer: torch.nn.Module, backend: str, wants: Any, cls: type, who: str) -> int:
-    _check_backend(backend, who)
+def set_wan_attention_backend(transformer: torch.nn.Module, backend: str) -> int:
+    """Run every ``WanAttention`` of ``transformer`` through ``backend`` (for a diffusers Wan trained outside
+    ``DiffusersVideoModule``, which installs one shared processor itself); returns how many modules it set."""
+    _check_backend(backend, "set_wan_attention_backend")
     n = 0
     for module in transformer.modules():
-        if wants(module):
-            if isinstance(module.processor, cls):
+        if isinstance(module, WanAttention):
+            if isinstance(module.processor, WanBackendAttnProcessor):
                 module.processor.backend = backend
             else:
-                module.set_processor(cls(backend))
+                module.set_processor(WanBackendAttnProcessor(backend))
             n += 1
     return n
-
-
-def set_wan_attention_backend(transformer: torch.nn.Module, backend: str) -> int:
-    """Run every ``WanAttention`` of ``transformer`` through ``backend``; returns how many modules it set."""
-    return _install(transformer, backend, lambda m: isinstance(m, WanAttention), WanBackendAttnProcessor,
-                    "set_wan_attention_backend")
-
-
-def set_cogvideox_attention_backend(transformer: torch.nn.Module, backend: str) -> int:
-    """Run every CogVideoX attention of ``transformer`` (those on diffusers' ``CogVideoXAttnProcessor2_0``)
-    through ``backend``; returns how many modules it set."""
-    return _install(transformer, backend,
-                    lambda m: isinstance(getattr(m, "processor", None), CogVideoXAttnProcessor2_0),
-                    CogVideoXBackendAttnProcessor, "set_cogvideox_attention_backend")

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0
 from diffusers.models.transformers.cogvideox_transformer_3d import CogVideoXBlock, CogVideoXTransformer3DModel
 from diffusers.models.transformers.transformer_hunyuan_video import (
     HunyuanVideoAttnProcessor2_0,
@@ -33,14 +34,18 @@ from diffusers.models.transformers.transformer_ltx import (
     LTXVideoTransformer3DModel,
     LTXVideoTransformerBlock,
 )
-from diffusers.models.transformers.transformer_wan import WanTransformer3DModel, WanTransformerBlock
+from diffusers.models.transformers.transformer_wan import (
+    WanAttnProcessor,
+    WanTransformer3DModel,
+    WanTransformerBlock,
+)
 from torch import nn
 
 from lightning_adaptiveload.integrations.diffusers_attention import (
+    CogVideoXBackendAttnProcessor,
     HunyuanVideoBackendAttnProcessor,
     LTXVideoBackendAttnProcessor,
-    set_cogvideox_attention_backend,
-    set_wan_attention_backend,
+    WanBackendAttnProcessor,
 )
 
 __all__ = ["FAMILIES", "VideoFamily", "family_of"]
@@ -123,10 +128,11 @@ class VideoFamily:
     @staticmethod
     def share_processor(model: nn.Module, processor: Any, replaces: type) -> None:
         """Put one ``processor`` on every attention module of ``model`` whose processor is exactly ``replaces``
-        (diffusers' own), and keep it on the model (outside its module tree) for :meth:`drop_mask_if_real` and
-        :meth:`set_attention_backend`. diffusers builds a mask from the text mask even when every text token
-        is real, and a masked SDPA cannot use the flash or cuDNN kernels, nor FA4 run at all: the shared
-        processor drops it for the batches :meth:`drop_mask_if_real` found unpadded (the same attention)."""
+        (diffusers' own), and keep it on the model (outside its module tree) for :meth:`set_attention_backend`
+        and :meth:`drop_mask_if_real`. Where a family builds a mask from the text mask (HunyuanVideo, LTX-Video)
+        it does so even when every text token is real, and a masked SDPA cannot use the flash or cuDNN kernels,
+        nor FA4 run at all: the shared processor drops it for the batches :meth:`drop_mask_if_real` found
+        unpadded (the same attention)."""
         for module in model.modules():
             if type(getattr(module, "processor", None)) is replaces:
                 module.set_processor(processor)
@@ -168,8 +174,8 @@ class _Wan(VideoFamily):
     block_classes = (WanTransformerBlock,)
     attention_backends = ("sdpa", "fa4")
 
-    def set_attention_backend(self, model, backend):
-        set_wan_attention_backend(model, backend)
+    def prepare_model(self, model: nn.Module) -> None:
+        self.share_processor(model, WanBackendAttnProcessor(), WanAttnProcessor)
 
     def patch_size(self, config):
         return tuple(int(p) for p in self.cfg(config, "patch_size"))
@@ -244,8 +250,8 @@ class _CogVideoX(VideoFamily):
     text_dim_key = "text_embed_dim"
     attention_backends = ("sdpa", "fa4")
 
-    def set_attention_backend(self, model, backend):
-        set_cogvideox_attention_backend(model, backend)
+    def prepare_model(self, model: nn.Module) -> None:
+        self.share_processor(model, CogVideoXBackendAttnProcessor(), CogVideoXAttnProcessor2_0)
 
     def patch_size(self, config):
         p, pt = int(self.cfg(config, "patch_size")), self.cfg(config, "patch_size_t")

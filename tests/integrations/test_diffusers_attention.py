@@ -168,9 +168,10 @@ def test_a_padded_text_mask_keeps_diffusers_masked_path(monkeypatch, name):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
-def test_bad_backend_is_refused_by_every_setter():
-    with pytest.raises(ValueError, match=r"set_cogvideox_attention_backend\(backend='flash'\)` is not valid"):
-        da.set_cogvideox_attention_backend(_family_module("diffusers_cogvideox_tiny").transformer, "flash")
+def test_bad_backend_is_refused_by_every_processor():
+    for cls in (da.CogVideoXBackendAttnProcessor, da.LTXVideoBackendAttnProcessor, da.WanBackendAttnProcessor):
+        with pytest.raises(ValueError, match=rf"{cls.__name__}\(backend='flash'\)` is not valid"):
+            cls("flash")
     with pytest.raises(ValueError, match=r"HunyuanVideoBackendAttnProcessor\(backend='flash'\)` is not valid"):
         da.HunyuanVideoBackendAttnProcessor("flash")
 
